@@ -1,0 +1,103 @@
+"""The CPU backend: export the step network with bounded dynamic shapes, compile it ahead of time.
+
+AOTInductor with freezing turns the network into a shared library whose weights are constants
+prepacked for this CPU's matrix units (oneDNN/AMX for bf16); `ifb run` loads the package
+without recompiling.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from ifb.builder.limits import EngineLimits
+from ifb.builder.network import StepNetwork
+
+logger = logging.getLogger(__name__)
+
+STEP_INPUT_NAMES = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "context_query_rows",
+    "context_block_tables",
+    "decode_query_rows",
+    "decode_block_tables",
+    "decode_seq_lens",
+    "logits_indices",
+    "kv_cache",
+)
+
+# Sample sizes are distinct and >= 2 so export keeps every dimension symbolic.
+_T, _BC, _Q, _MC, _BD, _MD, _R = 11, 2, 4, 3, 5, 6, 7
+
+
+def _long(values: list[int] | list[list[int]]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+def sample_step_inputs(limits: EngineLimits, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A mixed step: two context chunks (4 and 2 tokens, padded) and five decodes."""
+    bs = limits.block_size
+    positions = [0, 1, 2, 3, bs, bs + 1] + [bs * 2 + i for i in range(_BD)]
+    slot_mapping = [i % kv_cache.shape[2] for i in range(_T)]
+    return (
+        torch.zeros(_T, dtype=torch.long),
+        _long(positions),
+        _long(slot_mapping),
+        _long([[0, 1, 2, 3], [4, 5, 5, 5]]),
+        torch.zeros(_BC, _MC, dtype=torch.long),
+        _long(list(range(6, 6 + _BD))),
+        torch.zeros(_BD, _MD, dtype=torch.long),
+        _long([bs * 2 + i + 1 for i in range(_BD)]),
+        _long([3, 5, 6, 7, 8, 9, 10]),
+        kv_cache,
+    )
+
+
+def dynamic_shapes(limits: EngineLimits) -> tuple[dict[int, Dim] | None, ...]:
+    """Every step dimension bounded by a baked limit (never below the sample size)."""
+    tokens = Dim("num_tokens", min=1, max=max(limits.max_num_tokens, _T))
+    num_context = Dim("num_context", min=0, max=max(limits.max_batch_size, _BC))
+    chunk = Dim("max_chunk_len", min=1, max=max(limits.max_num_tokens, _Q))
+    context_blocks = Dim("context_blocks", min=1, max=max(limits.max_blocks_per_seq, _MC))
+    num_decode = Dim("num_decode", min=0, max=max(limits.max_batch_size, _BD))
+    decode_blocks = Dim("decode_blocks", min=1, max=max(limits.max_blocks_per_seq, _MD))
+    num_logits = Dim("num_logits", min=1, max=max(limits.max_batch_size, _R))
+    return (
+        {0: tokens},
+        {0: tokens},
+        {0: tokens},
+        {0: num_context, 1: chunk},
+        {0: num_context, 1: context_blocks},
+        {0: num_decode},
+        {0: num_decode, 1: decode_blocks},
+        {0: num_decode},
+        {0: num_logits},
+        None,
+    )
+
+
+def compile_cpu_engine(
+    network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, package_path: Path
+) -> Path:
+    """Export and AOT-compile `network` into a .pt2 package at `package_path`."""
+    network.eval()
+    sample = sample_step_inputs(limits, kv_cache)
+    with torch.no_grad():
+        exported = torch.export.export(network, sample, dynamic_shapes=dynamic_shapes(limits))
+        logger.info("exported step graph with %d nodes", len(exported.graph.nodes))
+        path = torch._inductor.aoti_compile_and_package(
+            exported,
+            package_path=str(package_path),
+            inductor_configs={"freezing": True},
+        )
+    return Path(path)
+
+
+def load_cpu_engine(package_path: Path) -> torch.nn.Module:
+    """Load a compiled step package; no compilation happens here."""
+    return torch._inductor.aoti_load_package(str(package_path))

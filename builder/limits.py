@@ -1,0 +1,100 @@
+"""EngineLimits: the limits baked into an engine, and their validation against the model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ifb.builder.errors import LimitsError
+from ifb.builder.model_spec import ModelSpec
+
+DTYPES = ("bfloat16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    block_size: int
+    num_kv_blocks: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_seq_len / self.block_size)
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: str) -> int:
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_pool_shape(spec: ModelSpec, limits: EngineLimits) -> tuple[int, int, int, int, int]:
+    """The paged pool: [layers, K/V, num_blocks * block_size slots, kv_heads, head_dim]."""
+    return (spec.num_layers, 2, limits.kv_pool_tokens, spec.num_kv_heads, spec.head_dim)
+
+
+def normalize_dtype(dtype: str) -> str:
+    if dtype not in DTYPE_ALIASES:
+        raise LimitsError(f"dtype {dtype!r} is not supported; choose one of bf16, fp32")
+    return DTYPE_ALIASES[dtype]
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise LimitsError(f"{name} must be >= 1, got {value}")
+
+
+def resolve_limits(
+    spec: ModelSpec,
+    *,
+    max_batch_size: int,
+    max_num_tokens: int,
+    max_seq_len: int,
+    block_size: int,
+    dtype: str,
+    kv_blocks: int | None = None,
+    kv_memory_gb: float | None = None,
+) -> EngineLimits:
+    """Check every requested limit against the model and each other; size the KV pool."""
+    for name, value in [
+        ("max_batch_size", max_batch_size),
+        ("max_num_tokens", max_num_tokens),
+        ("max_seq_len", max_seq_len),
+        ("block_size", block_size),
+    ]:
+        _positive(name, value)
+    if block_size & (block_size - 1):
+        raise LimitsError(f"block_size must be a power of two, got {block_size}")
+    if max_seq_len > spec.max_position_embeddings:
+        raise LimitsError(
+            f"max_seq_len {max_seq_len} exceeds the model's position limit "
+            f"max_position_embeddings={spec.max_position_embeddings}"
+        )
+    if max_num_tokens < max_batch_size:
+        raise LimitsError(
+            f"max_num_tokens {max_num_tokens} must be >= max_batch_size {max_batch_size} "
+            "(every running request decodes one token per step)"
+        )
+    if kv_blocks is not None and kv_memory_gb is not None:
+        raise LimitsError("give either kv_blocks or kv_memory, not both")
+    blocks_per_seq = math.ceil(max_seq_len / block_size)
+    if kv_memory_gb is not None:
+        kv_blocks = int(kv_memory_gb * 1e9 // kv_bytes_per_block(spec, block_size, dtype))
+    if kv_blocks is None:
+        kv_blocks = max_batch_size * blocks_per_seq  # every seat can hold a full-length request
+    if kv_blocks < blocks_per_seq:
+        raise LimitsError(
+            f"KV pool of {kv_blocks} blocks is smaller than one full-length request: "
+            f"max_seq_len {max_seq_len} needs {blocks_per_seq} blocks of {block_size} tokens"
+        )
+    return EngineLimits(max_batch_size, max_num_tokens, max_seq_len, block_size, kv_blocks)

@@ -1,0 +1,103 @@
+"""ModelSpec: the architecture facts of a supported model, read from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ifb.builder.errors import UnsupportedModelError
+
+# model_type -> whether q/k/v projections carry a bias
+SUPPORTED_ARCHITECTURES: dict[str, bool] = {
+    "llama": False,  # Llama 2/3, SmolLM/SmolLM2, TinyLlama
+    "mistral": False,
+    "qwen2": True,
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shapes and constants of a Llama-family decoder; everything the network needs to exist."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelSpec:
+        data = dict(data)
+        data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        return cls(**data)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def model_spec_from_hf_config(config: Any) -> ModelSpec:
+    """Read a transformers PretrainedConfig; refuse anything the network does not implement."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        archs = getattr(config, "architectures", None) or [model_type]
+        raise UnsupportedModelError(
+            f"architecture {archs[0]!r} (model_type={model_type!r}) is not supported; "
+            f"supported model types: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        if model_type == "mistral":
+            raise UnsupportedModelError("sliding-window attention (Mistral sliding_window) is not supported")
+    num_heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    bias = SUPPORTED_ARCHITECTURES[model_type] or bool(getattr(config, "attention_bias", False))
+    return ModelSpec(
+        architecture=model_type,
+        vocab_size=int(config.vocab_size),
+        hidden_size=int(config.hidden_size),
+        intermediate_size=int(config.intermediate_size),
+        num_layers=int(config.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(config.rms_norm_eps),
+        max_position_embeddings=int(config.max_position_embeddings),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_bias=bias,
+        bos_token_id=getattr(config, "bos_token_id", None),
+        eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
+    )

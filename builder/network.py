@@ -1,0 +1,199 @@
+"""Our own Llama-family network over one packed, padding-free step of many requests.
+
+One forward = one scheduler iteration (design.md §3): prefill chunks and decode tokens of many
+requests, K/V written into the paged pool through `slot_mapping`, attention over each
+request's blocks, logits only for the rows that sample. Fused q/k/v and gate/up projections
+keep the number of matmuls per layer at four.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ifb.builder.model_spec import ModelSpec
+from ifb.plugins.attention import paged_attention, write_kv
+from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
+from ifb.plugins.layout import AttentionLayout
+
+AttentionFn = Callable[..., torch.Tensor]
+WriteKvFn = Callable[..., None]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOps:
+    attend: AttentionFn
+    write_kv: WriteKvFn
+
+
+FAST_OPS = AttentionOps(paged_attention, write_kv)
+REFERENCE_OPS = AttentionOps(paged_attention_reference, write_kv_reference)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D] (half-split rotation, as HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+        self.qkv = nn.Linear(spec.hidden_size, q_dim + 2 * kv_dim, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=False)
+        self.block_size = block_size
+        self.scale = spec.head_dim**-0.5
+        self.ops = ops
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        layout: AttentionLayout,
+        kv_layer: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        q = apply_rope(q.reshape(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        k_pool, v_pool = kv_layer[0], kv_layer[1]
+        self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
+        out = self.ops.attend(q, k_pool, v_pool, positions, layout, self.block_size, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split([self.intermediate_size, self.intermediate_size], dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.attn = Attention(spec, block_size, ops)
+        self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        layout: AttentionLayout,
+        kv_layer: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, positions, slot_mapping, layout, kv_layer)
+        return x + self.mlp(self.post_norm(x))
+
+
+class StepNetwork(nn.Module):
+    """The step contract as a module: packed tokens in, logits of the sampling rows out.
+
+    kv_cache is [num_layers, 2 (K, V), num_slots, kv_heads, head_dim], mutated in place.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        inv_freq: torch.Tensor,
+        rope_scaling: float,
+        max_seq_len: int,
+        block_size: int,
+        ops: AttentionOps = FAST_OPS,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, block_size, ops) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq.float())
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", angles.cos() * rope_scaling, persistent=False)
+        self.register_buffer("rope_sin", angles.sin() * rope_scaling, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_query_rows: torch.Tensor,
+        context_block_tables: torch.Tensor,
+        decode_query_rows: torch.Tensor,
+        decode_block_tables: torch.Tensor,
+        decode_seq_lens: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        layout = AttentionLayout(
+            context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens
+        )
+        x = self.embed(input_ids)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, slot_mapping, layout, kv_cache[index])
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()
+
+
+def hf_to_network_state_dict(hf_state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Rename a Hugging Face Llama/Qwen2 state dict to ours, fusing q/k/v and gate/up."""
+    out: dict[str, torch.Tensor] = {"embed.weight": hf_state["model.embed_tokens.weight"]}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        out[f"layers.{i}.attn.qkv.weight"] = torch.cat(
+            [hf_state[attn + f"{name}_proj.weight"] for name in "qkv"], dim=0
+        )
+        if spec.attention_bias:
+            out[f"layers.{i}.attn.qkv.bias"] = torch.cat(
+                [hf_state[attn + f"{name}_proj.bias"] for name in "qkv"], dim=0
+            )
+        out[f"layers.{i}.attn.o_proj.weight"] = hf_state[attn + "o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+            [hf_state[p + "mlp.gate_proj.weight"], hf_state[p + "mlp.up_proj.weight"]], dim=0
+        )
+        out[f"layers.{i}.mlp.down.weight"] = hf_state[p + "mlp.down_proj.weight"]
+        out[f"layers.{i}.input_norm.weight"] = hf_state[p + "input_layernorm.weight"]
+        out[f"layers.{i}.post_norm.weight"] = hf_state[p + "post_attention_layernorm.weight"]
+    out["norm.weight"] = hf_state["model.norm.weight"]
+    head = hf_state.get("lm_head.weight")
+    out["lm_head.weight"] = head if head is not None and not spec.tie_word_embeddings else out["embed.weight"]
+    return out

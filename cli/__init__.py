@@ -1,0 +1,1 @@
+"""ifb.cli: the `ifb` command (build, run, bench)."""

@@ -1,0 +1,89 @@
+"""`ifb build`: compile a model source into an engine folder, with progress and a summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from ifb.builder.build import BUILD_STAGES, Backend, BuildOptions, BuildSummary, build_engine
+from ifb.builder.errors import BuildError
+
+
+def format_summary(summary: BuildSummary) -> str:
+    limits = summary.limits
+    stages = ", ".join(f"{name} {sec:.1f}s" for name, sec in summary.stage_seconds.items())
+    return "\n".join(
+        [
+            f"engine        {summary.output}",
+            f"model         {summary.model_name} ({summary.dtype})",
+            f"max_batch_size {limits.max_batch_size}   max_num_tokens {limits.max_num_tokens}   "
+            f"max_seq_len {limits.max_seq_len}",
+            f"KV pool       {limits.num_kv_blocks} blocks x {limits.block_size} tokens = "
+            f"{limits.kv_pool_tokens} tokens, {summary.kv_pool_bytes / 2**20:.1f} MiB",
+            f"artifacts     {summary.artifact_bytes / 2**20:.1f} MiB",
+            f"build time    {summary.seconds:.1f}s ({stages})",
+        ]
+    )
+
+
+def default_engine_name(source: str | None, options: BuildOptions) -> str:
+    stem = Path(source).stem if source else "smollm2-135m-instruct"
+    return f"{stem}-b{options.max_batch_size}-t{options.max_num_tokens}-s{options.max_seq_len}-{options.dtype}"
+
+
+def run_build(source: str | None, output: Path, options: BuildOptions) -> BuildSummary:
+    """Build with a stage progress bar; shared by `ifb build` and `ifb run SOURCE`."""
+    with tqdm(total=len(BUILD_STAGES), desc="build", unit="stage", file=click.get_text_stream("stderr")) as bar:
+
+        def on_stage(name: str) -> None:
+            if bar.n or name != BUILD_STAGES[0]:
+                bar.update(1)
+            bar.set_postfix_str(name)
+
+        summary = build_engine(source, output, options, on_stage)
+        bar.update(bar.total - bar.n)
+    return summary
+
+
+@click.command()
+@click.argument("source", required=False)
+@click.option("--max-batch-size", type=int, default=16, show_default=True)
+@click.option("--max-num-tokens", type=int, default=512, show_default=True)
+@click.option("--max-seq-len", type=int, default=2048, show_default=True)
+@click.option("--kv-blocks", type=int, default=None, help="KV pool size in blocks.")
+@click.option("--kv-memory", type=float, default=None, help="KV pool size in GB (instead of --kv-blocks).")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--backend", type=click.Choice([b.value for b in Backend]), default="cpu", show_default=True)
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Engine folder.")
+def build(
+    source: str | None,
+    max_batch_size: int,
+    max_num_tokens: int,
+    max_seq_len: int,
+    kv_blocks: int | None,
+    kv_memory: float | None,
+    block_size: int,
+    dtype: str,
+    backend: str,
+    output: Path | None,
+) -> None:
+    """Compile SOURCE (HF checkpoint folder, GGUF file, or nothing = bundled SmolLM2) into an engine."""
+    options = BuildOptions(
+        max_batch_size=max_batch_size,
+        max_num_tokens=max_num_tokens,
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+        dtype=dtype,
+        kv_blocks=kv_blocks,
+        kv_memory_gb=kv_memory,
+        backend=Backend(backend),
+    )
+    output = output or Path("engines") / default_engine_name(source, options)
+    try:
+        summary = run_build(source, output, options)
+    except BuildError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(format_summary(summary))

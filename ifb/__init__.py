@@ -1,0 +1,20 @@
+"""ifb: an in-flight batching LLM engine. `from ifb import LLM, SamplingParams`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import ifb.builder` does not pull in the whole runtime.
+    if name == "LLM":
+        from ifb.runtime.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from ifb.runtime.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

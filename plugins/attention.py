@@ -1,0 +1,83 @@
+"""Fast paged attention and KV write: vectorized gathers + SDPA, exportable with dynamic shapes.
+
+Same signatures as `attention_reference.py`. The context path (requests with several query
+tokens) and the decode path (one query token each) share `_grouped_attention`; the decode path
+carries no padding at all, the context path pads each request's queries to the longest chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ifb.plugins.layout import AttentionLayout
+
+
+def write_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store each token's K/V at its slot, in place. Pools are [num_slots, kv_heads, head_dim]."""
+    k_pool.index_copy_(0, slot_mapping, k)
+    v_pool.index_copy_(0, slot_mapping, v)
+
+
+def _gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[num_slots, KVH, D] x [N, M] -> [N, M * block_size, KVH, D]."""
+    blocks = pool.reshape(-1, block_size, pool.shape[1], pool.shape[2])
+    gathered = blocks[block_tables]
+    length = block_tables.shape[1] * block_size
+    return gathered.reshape(block_tables.shape[0], length, pool.shape[1], pool.shape[2])
+
+
+def _grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [N, Q, H, D], keys/values [N, L, KVH, D], mask [N, Q, L] -> [N, Q, H, D].
+
+    Query heads sharing a KV head are folded into the query axis, so K/V are never repeated.
+    """
+    n, num_q, num_heads, head_dim = q.shape
+    num_kv_heads, length = keys.shape[2], keys.shape[1]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(n, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(n, num_kv_heads, group * num_q, head_dim)
+    grouped_mask = mask[:, None, None].expand(n, 1, group, num_q, length)
+    grouped_mask = grouped_mask.reshape(n, 1, group * num_q, length)
+    out = F.scaled_dot_product_attention(
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=grouped_mask, scale=scale
+    )
+    out = out.reshape(n, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(n, num_q, num_heads, head_dim)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    positions: torch.Tensor,
+    layout: AttentionLayout,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every packed query over its own request's blocks.
+
+    q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
+    """
+    out = torch.zeros_like(q)
+
+    rows = layout.context_query_rows
+    keys = _gather_blocks(k_pool, layout.context_block_tables, block_size)
+    values = _gather_blocks(v_pool, layout.context_block_tables, block_size)
+    key_index = torch.arange(keys.shape[1], device=q.device)
+    mask = key_index[None, None, :] <= positions[rows][:, :, None]
+    context_out = _grouped_attention(q[rows], keys, values, mask, scale)
+    out.index_copy_(0, rows.flatten(), context_out.flatten(0, 1))
+
+    rows = layout.decode_query_rows
+    keys = _gather_blocks(k_pool, layout.decode_block_tables, block_size)
+    values = _gather_blocks(v_pool, layout.decode_block_tables, block_size)
+    key_index = torch.arange(keys.shape[1], device=q.device)
+    mask = (key_index[None, :] < layout.decode_seq_lens[:, None])[:, None, :]
+    decode_out = _grouped_attention(q[rows][:, None], keys, values, mask, scale)
+    out.index_copy_(0, rows, decode_out[:, 0])
+    return out

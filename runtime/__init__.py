@@ -1,0 +1,1 @@
+"""ifb.runtime: loads an engine and schedules every step (in-flight batching)."""

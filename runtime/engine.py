@@ -1,0 +1,71 @@
+"""Engine: a loaded engine folder that runs one step per call over the KV pool it owns."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ifb.builder.limits import kv_pool_shape
+from ifb.builder.network import FAST_OPS, REFERENCE_OPS, StepNetwork
+from ifb.runtime.engine_config import EngineConfig, load_engine_config
+from ifb.runtime.errors import EngineFormatError
+from ifb.runtime.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+StepFn = Callable[..., torch.Tensor]
+
+
+class StepMode(str, Enum):
+    """How the step runs: the compiled artifact (the product), or eager paths for checking it."""
+
+    COMPILED = "compiled"
+    EAGER = "eager"  # our network, fast attention ops, not compiled
+    REFERENCE = "reference"  # our network, per-request reference attention loops
+
+
+def load_network(config: EngineConfig, reference_ops: bool) -> StepNetwork:
+    state = load_file(str(config.weights))
+    inv_freq = state.pop("rope.inv_freq")
+    network = StepNetwork(
+        config.spec,
+        inv_freq,
+        config.rope_scaling,
+        config.limits.max_seq_len,
+        config.limits.block_size,
+        ops=REFERENCE_OPS if reference_ops else FAST_OPS,
+    )
+    network = network.to(getattr(torch, config.dtype))
+    network.load_state_dict(state, strict=not config.spec.tie_word_embeddings)
+    return network.eval()
+
+
+def _make_step(config: EngineConfig, mode: StepMode) -> StepFn:
+    if mode is StepMode.COMPILED:
+        if config.backend != "cpu":
+            raise EngineFormatError(f"backend {config.backend!r} cannot run on this machine")
+        return torch._inductor.aoti_load_package(str(config.step_package))
+    return load_network(config, reference_ops=mode is StepMode.REFERENCE)
+
+
+class Engine:
+    """Owns the KV pool; `step` runs one packed batch and returns float32 logits [R, vocab]."""
+
+    def __init__(self, config: EngineConfig, mode: StepMode = StepMode.COMPILED) -> None:
+        self.config = config
+        self.mode = mode
+        self.kv_cache = torch.zeros(kv_pool_shape(config.spec, config.limits), dtype=getattr(torch, config.dtype))
+        self._step = _make_step(config, mode)
+
+    @classmethod
+    def load(cls, folder: str | Path, mode: StepMode = StepMode.COMPILED, verify: bool = True) -> Engine:
+        return cls(load_engine_config(folder, verify=verify), mode)
+
+    def step(self, inputs: StepInputs) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._step(*inputs.as_args(), self.kv_cache)

@@ -1,0 +1,157 @@
+"""Tiny seeded random checkpoints written as real files: HF folders (Llama, Qwen2) and a GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "in flight batching admits requests between steps",
+    "paged attention stores keys and values in blocks",
+    "hello world, this is a tiny tokenizer for tests 0123456789",
+] * 20
+SPECIAL = ["<unk>", "<s>", "</s>"]
+
+
+def tiny_tokenizer(vocab_size: int = 320) -> Any:
+    """A byte-level BPE trained in-process on a fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if architecture == "llama":
+        return LlamaConfig(**common)
+    if architecture == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(architecture)
+
+
+def write_hf_checkpoint(folder: Path, architecture: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """A random model as config.json + model.safetensors + tokenizer files."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    config = tiny_config(architecture, len(tokenizer), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():  # larger than init's std so logits are well separated
+            param.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """The Q/K row order llama.cpp's converter writes (transformers' GGUF loader undoes it)."""
+    rows = weights.shape[0]
+    return weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def write_gguf(path: Path, hf_folder: Path) -> Path:
+    """Write the HF checkpoint at `hf_folder` (Llama) as an F32 GGUF with its tokenizer."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(hf_folder)
+    tokenizer = AutoTokenizer.from_pretrained(hf_folder)
+    state = load_file(str(hf_folder / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    vocab = tokenizer.get_vocab()
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    merges = tokenizer.backend_tokenizer.to_str()
+    import json
+
+    model_json = json.loads(merges)["model"]
+    merge_list = [m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+    writer.add_token_merges(merge_list)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+    }
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if name in names:
+            writer.add_tensor(names[name], array)
+            continue
+        layer = int(name.split(".")[2])
+        suffix = name.split(".", 3)[3]
+        if suffix == "self_attn.q_proj.weight":
+            array = _llama_cpp_permute(array, config.num_attention_heads)
+        elif suffix == "self_attn.k_proj.weight":
+            array = _llama_cpp_permute(array, config.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{per_layer[suffix]}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
