@@ -28,7 +28,7 @@ STEP_INPUT_NAMES = (
     "decode_block_tables",
     "decode_seq_lens",
     "logits_indices",
-    "kv_cache",
+    "kv_pools",
 )
 
 # Sample sizes are distinct and >= 2 so export keeps every dimension symbolic.
@@ -39,11 +39,16 @@ def _long(values: list[int] | list[list[int]]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
-def sample_step_inputs(limits: EngineLimits, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def kv_pool_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """[layers, 2, slots, KVH, D] -> [K0, V0, K1, V1, ...], views sharing the one allocation."""
+    return [kv_cache[layer, kind] for layer in range(kv_cache.shape[0]) for kind in range(2)]
+
+
+def sample_step_inputs(limits: EngineLimits, kv_cache: torch.Tensor) -> tuple[object, ...]:
     """A mixed step: two context chunks (4 and 2 tokens, padded) and five decodes."""
     bs = limits.block_size
     positions = [0, 1, 2, 3, bs, bs + 1] + [bs * 2 + i for i in range(_BD)]
-    slot_mapping = [i % kv_cache.shape[2] for i in range(_T)]
+    slot_mapping = list(range(_T))
     return (
         torch.zeros(_T, dtype=torch.long),
         _long(positions),
@@ -54,11 +59,11 @@ def sample_step_inputs(limits: EngineLimits, kv_cache: torch.Tensor) -> tuple[to
         torch.zeros(_BD, _MD, dtype=torch.long),
         _long([bs * 2 + i + 1 for i in range(_BD)]),
         _long([3, 5, 6, 7, 8, 9, 10]),
-        kv_cache,
+        kv_pool_views(kv_cache),
     )
 
 
-def dynamic_shapes(limits: EngineLimits) -> tuple[dict[int, Dim] | None, ...]:
+def dynamic_shapes(limits: EngineLimits, num_pools: int) -> tuple[object, ...]:
     """Every step dimension bounded by a baked limit (never below the sample size)."""
     tokens = Dim("num_tokens", min=1, max=max(limits.max_num_tokens, _T))
     num_context = Dim("num_context", min=0, max=max(limits.max_batch_size, _BC))
@@ -77,7 +82,7 @@ def dynamic_shapes(limits: EngineLimits) -> tuple[dict[int, Dim] | None, ...]:
         {0: num_decode, 1: decode_blocks},
         {0: num_decode},
         {0: num_logits},
-        None,
+        [None] * num_pools,
     )
 
 
@@ -88,7 +93,7 @@ def compile_cpu_engine(
     network.eval()
     sample = sample_step_inputs(limits, kv_cache)
     with torch.no_grad():
-        exported = torch.export.export(network, sample, dynamic_shapes=dynamic_shapes(limits))
+        exported = torch.export.export(network, sample, dynamic_shapes=dynamic_shapes(limits, 2 * kv_cache.shape[0]))
         logger.info("exported step graph with %d nodes", len(exported.graph.nodes))
         path = torch._inductor.aoti_compile_and_package(
             exported,

@@ -73,14 +73,14 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         layout: AttentionLayout,
-        kv_layer: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = apply_rope(q.reshape(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        k_pool, v_pool = kv_layer[0], kv_layer[1]
         self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
         out = self.ops.attend(q, k_pool, v_pool, positions, layout, self.block_size, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_dim))
@@ -114,16 +114,19 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         layout: AttentionLayout,
-        kv_layer: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, positions, slot_mapping, layout, kv_layer)
+        x = x + self.attn(self.input_norm(x), cos, sin, positions, slot_mapping, layout, k_pool, v_pool)
         return x + self.mlp(self.post_norm(x))
 
 
 class StepNetwork(nn.Module):
     """The step contract as a module: packed tokens in, logits of the sampling rows out.
 
-    kv_cache is [num_layers, 2 (K, V), num_slots, kv_heads, head_dim], mutated in place.
+    kv_pools holds each layer's K pool then V pool, [num_slots, kv_heads, head_dim] each,
+    mutated in place. Separate inputs (not views of one input) let the compiler write only the
+    step's slots; a view of one big input made it copy the whole pool every layer.
     """
 
     def __init__(
@@ -159,7 +162,7 @@ class StepNetwork(nn.Module):
         decode_block_tables: torch.Tensor,
         decode_seq_lens: torch.Tensor,
         logits_indices: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_pools: list[torch.Tensor],
     ) -> torch.Tensor:
         layout = AttentionLayout(
             context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens
@@ -168,7 +171,8 @@ class StepNetwork(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, slot_mapping, layout, kv_cache[index])
+            k_pool, v_pool = kv_pools[2 * index], kv_pools[2 * index + 1]
+            x = layer(x, cos, sin, positions, slot_mapping, layout, k_pool, v_pool)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 

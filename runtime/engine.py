@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ifb.builder.compile_cpu import kv_pool_views
 from ifb.builder.limits import kv_pool_shape
 from ifb.builder.network import FAST_OPS, REFERENCE_OPS, StepNetwork
 from ifb.runtime.engine_config import EngineConfig, load_engine_config
@@ -60,6 +61,7 @@ class Engine:
         self.config = config
         self.mode = mode
         self.kv_cache = torch.zeros(kv_pool_shape(config.spec, config.limits), dtype=getattr(torch, config.dtype))
+        self.kv_pools = kv_pool_views(self.kv_cache)
         self._step = _make_step(config, mode)
 
     @classmethod
@@ -68,4 +70,4 @@ class Engine:
 
     def step(self, inputs: StepInputs) -> torch.Tensor:
         with torch.inference_mode():
-            return self._step(*inputs.as_args(), self.kv_cache)
+            return self._step(*inputs.as_args(), self.kv_pools)

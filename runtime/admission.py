@@ -1,0 +1,53 @@
+"""Admission: request validation against the engine's limits, and the batch-plus-queue gate."""
+
+from __future__ import annotations
+
+import threading
+
+from ifb.runtime.errors import AdmissionError, QueueFullError
+
+
+def check_prompt(num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int, max_blocks: int, block_size: int) -> None:
+    """Refuse what can never run; names the field and both numbers."""
+    if num_prompt_tokens == 0:
+        raise AdmissionError("prompt is empty", field="prompt")
+    if num_prompt_tokens >= max_seq_len:
+        raise AdmissionError(
+            f"prompt has {num_prompt_tokens} tokens; the engine's max_seq_len is {max_seq_len} "
+            "(the prompt must leave room for at least one generated token)",
+            field="prompt",
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_seq_len:
+        raise AdmissionError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{num_prompt_tokens + max_tokens} exceeds the engine's max_seq_len {max_seq_len}",
+            field="max_tokens",
+        )
+    total = num_prompt_tokens + (max_tokens or 1)
+    if -(-total // block_size) > max_blocks:
+        raise AdmissionError(
+            f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds ({max_blocks})",
+            field="max_tokens",
+        )
+
+
+class AdmissionGate:
+    """At most max_batch_size + max_queued_requests requests inside the engine at once."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._semaphore = threading.BoundedSemaphore(capacity)
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> None:
+        if not self._semaphore.acquire(blocking=block, timeout=timeout if block else None):
+            with self._lock:
+                self.refused += 1
+            raise QueueFullError(
+                f"server is full: {self.capacity} requests (max_batch_size + max_queued_requests) "
+                "are running or queued"
+            )
+
+    def release(self) -> None:
+        self._semaphore.release()

@@ -1,0 +1,176 @@
+"""KVCacheManager: the block pool over the engine's KV slots, with hash-chain prefix reuse.
+
+    pool:  [ b0 b1 b2 ... b(N-1) ]     each block holds block_size tokens of every layer's K/V
+    free:  LRU order, head evicted first; holds never-used blocks and cached blocks nobody
+           references (ref_count == 0), which stay reusable until evicted
+    cached: hash(parent hash, block's tokens, salt) -> block_id, for full, computed blocks
+
+A request's block_ids is its block table. Blocks are released tail-first so that the end of a
+prompt is evicted before its shared beginning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ifb.runtime.request import Request
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_reuse: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_reuse = enable_prefix_reuse
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}
+        self._hashes: dict[str, list[int]] = {}  # request_id -> hash chain of its full blocks
+        self._num_published: dict[str, int] = {}
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # -- the vocabulary the capacity policies use --------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def blocks_needed_for_step(self, request: Request, num_new_tokens: int) -> int:
+        total = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(request.block_ids))
+
+    def blocks_needed_to_completion(self, request: Request) -> int:
+        return max(0, self.blocks_for_tokens(request.max_total_tokens) - len(request.block_ids))
+
+    # -- prefix reuse -------------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        chain = self._hashes.setdefault(request.request_id, [])
+        salt = request.params.cache_salt
+        bs = self.block_size
+        while len(chain) < num_full_blocks:
+            i = len(chain)
+            parent = chain[-1] if chain else 0
+            chain.append(hash((parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), salt)))
+        return chain[:num_full_blocks]
+
+    def match_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix, leaving at least one token to compute."""
+        if not self.enable_prefix_reuse:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in self._block_hashes(request, max_blocks):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_free_among(self, block_ids: Iterable[int]) -> int:
+        """How many of these (prefix-hit) blocks sit in the free list and would leave it."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def admit(self, request: Request, prefix_block_ids: list[int]) -> None:
+        """Give a (re)admitted request its prefix hits; computation resumes after them."""
+        for block_id in prefix_block_ids:
+            self._take(block_id)
+        request.block_ids = list(prefix_block_ids)
+        hit_tokens = len(prefix_block_ids) * self.block_size
+        request.num_computed_tokens = hit_tokens
+        request.num_prefix_hit_tokens = hit_tokens
+        self._num_published[request.request_id] = len(prefix_block_ids)
+        self.prefix_queried_tokens += request.num_tokens
+        self.prefix_hit_tokens += hit_tokens
+
+    def publish(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_reuse:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        done = self._num_published.get(request.request_id, 0)
+        if full <= done:
+            return
+        hashes = self._block_hashes(request, full)
+        for index in range(done, full):
+            block = self.blocks[request.block_ids[index]]
+            if block.block_hash is None and hashes[index] not in self._cached:
+                block.block_hash = hashes[index]
+                self._cached[hashes[index]] = block.block_id
+        self._num_published[request.request_id] = full
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Grow the request's block table to hold `num_new_tokens` more; False if the pool is short."""
+        needed = self.blocks_needed_for_step(request, num_new_tokens)
+        if needed > len(self._free):
+            return False
+        for _ in range(needed):
+            request.block_ids.append(self._pop_free())
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (tail first); cached ones stay reusable."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        request.block_ids = []
+        self._num_published.pop(request.request_id, None)
+
+    def forget(self, request: Request) -> None:
+        """Drop per-request bookkeeping once the request is finished for good."""
+        self._hashes.pop(request.request_id, None)
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: least recently used cached block
+            del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    # -- invariants ---------------------------------------------------------------------------
+    def check_integrity(self, live_requests: Iterable[Request]) -> None:
+        """free + used == total; ref counts equal the live block tables' references."""
+        expected = [0] * self.num_blocks
+        for request in live_requests:
+            for block_id in request.block_ids:
+                expected[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
+            assert block.ref_count == expected[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != {expected[block.block_id]} references"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self._free), f"block {block.block_id} free-list mismatch"
+        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert used + len(self._free) == self.num_blocks, "free + used != total"
+        for block_hash, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == block_hash, f"cached block {block_id} hash mismatch"

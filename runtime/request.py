@@ -1,0 +1,92 @@
+"""Request: one generation's mutable state, owned by the executor thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from ifb.runtime.sampling_params import SamplingParams
+
+
+class FinishReason(str, Enum):
+    """Values are what the HTTP API returns."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+    @property
+    def is_finished(self) -> bool:
+        return self is RequestState.FINISHED
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    arrival: float
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    """Known tokens are `token_ids` (prompt, then outputs); prefill vs decode is derived, never stored.
+
+        token_ids:  [ p0 p1 ... p(n-1) | o0 o1 ... ]
+                      ^^^^^^^^^^^^^^^^^^^^^^^           num_computed_tokens (K/V in the pool)
+        tokens to compute this step = num_tokens - num_computed_tokens (1 while decoding)
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int
+    times: RequestTimes
+    eos_token_ids: frozenset[int] = frozenset()
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_prefix_hit_tokens: int = 0
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    was_admitted_mid_flight: bool = False
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    sampled_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_tokens_to_compute == 1 and self.num_output_tokens > 0
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_tokens

@@ -1,0 +1,126 @@
+"""Sampler: per-request parameters applied to one batch of logits, vectorized over rows.
+
+Order: logit bias -> penalties -> min_tokens EOS mask -> (guided mask) -> temperature ->
+top-k / top-p / min-p -> sample. Seeded rows draw their noise from their own generator, so a
+seeded request samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ifb.runtime.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # log-probability of each sampled token (raw model distribution)
+    top_logprobs: list[dict[int, float]] | None
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> None:
+    vocab = logits.shape[1]
+    for row in rows:
+        request = requests[row]
+        p = request.params
+        output = torch.tensor(request.output_token_ids, dtype=torch.long)
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[torch.tensor(request.token_ids, dtype=torch.long)] = True
+            scores = logits[row]
+            penalized = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            logits[row] = torch.where(seen, penalized, scores)
+        if (p.presence_penalty or p.frequency_penalty) and output.numel():
+            counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside top-k / top-p / min-p per row (one sort for the whole batch)."""
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    ranks = torch.arange(vocab).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    remove = ranks >= k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    cumulative = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    remove |= cumulative >= top_p[:, None]
+    remove |= probs < (min_p[:, None] * probs[:, :1])
+    remove[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
+
+
+class Sampler:
+    """Turns [R, vocab] logits of R sampling requests into one token each."""
+
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[Request], masks: Sequence[torch.Tensor | None] | None = None
+    ) -> SampleResult:
+        raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in requests) else None
+        logits = logits.clone()
+        for row, request in enumerate(requests):
+            p = request.params
+            if p.logit_bias:
+                index = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                logits[row, index] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            if request.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
+                if banned:
+                    logits[row, torch.tensor(sorted(banned), dtype=torch.long)] = _NEG_INF
+            if masks is not None and masks[row] is not None:
+                logits[row].masked_fill_(~masks[row], _NEG_INF)
+        penalized = [
+            i
+            for i, r in enumerate(requests)
+            if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+        ]
+        _apply_penalties(logits, penalized, requests)
+        tokens = self._choose(logits, requests)
+        return self._with_logprobs(tokens, raw_logprobs, requests)
+
+    def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        greedy = torch.tensor([r.params.greedy for r in requests])
+        tokens = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return tokens
+        temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], dtype=logits.dtype)
+        scaled = logits / temperature[:, None]
+        top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long)
+        top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype)
+        min_p = torch.tensor([r.params.min_p for r in requests], dtype=logits.dtype)
+        if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
+            scaled = _filter(scaled, top_k, top_p, min_p)
+        probs = scaled.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; per-row noise lets a
+        # seeded row use its own generator.
+        noise = torch.empty_like(probs).exponential_()
+        for row, request in enumerate(requests):
+            if request.generator is not None and not request.params.greedy:
+                noise[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=request.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, tokens, sampled)
+
+    @staticmethod
+    def _with_logprobs(
+        tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, requests: Sequence[Request]
+    ) -> SampleResult:
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleResult(token_list, None, None)
+        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        tops: list[dict[int, float]] = []
+        for row, request in enumerate(requests):
+            n = request.params.logprobs or 0
+            if n:
+                values, index = raw_logprobs[row].topk(n)
+                tops.append(dict(zip(index.tolist(), values.tolist(), strict=True)))
+            else:
+                tops.append({})
+        return SampleResult(token_list, chosen, tops)

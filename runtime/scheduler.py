@@ -1,0 +1,248 @@
+"""Scheduler: each iteration decides who runs and with how many tokens; never touches tensors.
+
+schedule() -> ScheduledBatch (decodes first, then prefill chunks, then admissions);
+update(batch, tokens) appends sampled tokens, applies token-level stops, publishes full blocks
+to the prefix cache and frees finished requests. Collaborators come in through the
+constructor, so a fake engine can drive it in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ifb.runtime.kv_cache_manager import KVCacheManager
+from ifb.runtime.policies import CapacityPolicy, ChunkingPolicy, aligned_chunk
+from ifb.runtime.request import FinishReason, Request, RequestState
+from ifb.runtime.scheduler_stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request_id: str
+    num_new_tokens: int
+    sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    requests: tuple[ScheduledRequest, ...]
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        capacity: CapacityPolicy,
+        chunking: ChunkingPolicy,
+        clock: type[time.perf_counter] | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.capacity = capacity
+        self.chunking = chunking
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._clock = clock or time.perf_counter
+
+    # -- inbox ------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self.stats.submitted += 1
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.state.is_finished:
+            return None
+        self.finish(request, FinishReason.ABORT)
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- schedule -----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        num_running_at_start = len(self.running)
+        budget = self.config.max_num_tokens
+        chosen: dict[str, int] = {}
+        preempted: list[str] = []
+        for request in [r for r in self.running if r.num_tokens_to_compute == 1]:
+            if request.state is not RequestState.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._reserve(request, 1, preempted, chosen):
+                chosen[request.request_id] = 1
+                budget -= 1
+        budget = self._schedule_prefills(budget, chosen, preempted)
+        if self.capacity.may_admit_now(num_running_at_start):
+            self._admit(budget, chosen, num_running_at_start)
+        elif self.waiting:
+            self.stats.stalls_batch_full += 1
+        batch = tuple(
+            ScheduledRequest(rid, n, self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens)
+            for rid, n in chosen.items()
+        )
+        return ScheduledBatch(batch, tuple(preempted))
+
+    def _schedule_prefills(self, budget: int, chosen: dict[str, int], preempted: list[str]) -> int:
+        prefilling = [r for r in self.running if r.num_tokens_to_compute > 1 and r.state is RequestState.RUNNING]
+        for request, size in self.chunking.split(prefilling, budget, self.kv.block_size):
+            if request.state is RequestState.RUNNING and self._reserve(request, size, preempted, chosen):
+                chosen[request.request_id] = size
+                budget -= size
+        return budget
+
+    def _reserve(self, request: Request, num_tokens: int, preempted: list[str], chosen: dict[str, int]) -> bool:
+        """Allocate blocks for this step, preempting (policy permitting) until they fit."""
+        while not self.kv.allocate(request, num_tokens):
+            victims = [r for r in self.running if r.request_id not in chosen]
+            victim = self.capacity.choose_victim(victims)
+            if victim is None:
+                self.stats.stalls_no_capacity += 1
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.state = RequestState.PREEMPTED
+        request.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        self.stats.preempted += 1
+        logger.debug("preempted %s", request.request_id)
+
+    def _admit(self, budget: int, chosen: dict[str, int], num_running_at_start: int) -> None:
+        while self.waiting:
+            if len(self.running) >= self.config.max_batch_size:
+                self.stats.stalls_batch_full += 1
+                return
+            request = self.waiting[0]
+            hits = self.kv.match_prefix(request)
+            request.num_computed_tokens = len(hits) * self.kv.block_size
+            first_chunk = aligned_chunk(request, budget, self.kv.block_size)
+            if first_chunk == 0:
+                request.num_computed_tokens = 0
+                self.stats.stalls_token_budget += 1
+                return
+            if not self.capacity.can_admit(request, hits, first_chunk, self.running):
+                request.num_computed_tokens = 0
+                self.stats.stalls_no_capacity += 1
+                return
+            self.waiting.popleft()
+            self.kv.admit(request, hits)
+            allocated = self.kv.allocate(request, first_chunk)
+            assert allocated, "capacity policy admitted a request whose first chunk does not fit"
+            self._mark_running(request, num_running_at_start)
+            chosen[request.request_id] = first_chunk
+            budget -= first_chunk
+
+    def _mark_running(self, request: Request, num_running_at_start: int) -> None:
+        now = self._clock()
+        if request.state is RequestState.WAITING:
+            request.times.admitted = now
+            self.stats.record_queue_latency(now - request.times.arrival)
+            if num_running_at_start > 0:
+                request.was_admitted_mid_flight = True
+                self.stats.admitted_mid_flight += 1
+        request.state = RequestState.RUNNING
+        self.running.append(request)
+
+    # -- update -------------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: Mapping[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, stop finished requests.
+
+        Returns the requests that produced a token this step (finished ones included).
+        """
+        now = self._clock()
+        produced = []
+        self.stats.num_steps += 1
+        for item in batch.requests:
+            request = self.requests.get(item.request_id)
+            if request is None or request.state is not RequestState.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_new_tokens
+            if request.num_computed_tokens <= request.num_prompt_tokens:
+                self.stats.prompt_tokens += item.num_new_tokens
+            if item.sample:
+                token = sampled[item.request_id]
+                request.token_ids.append(token)
+                self.stats.generation_tokens += 1
+                if request.times.first_token is None:
+                    request.times.first_token = now
+                request.times.last_token = now
+                produced.append(request)
+                reason = self._token_stop(request, token)
+                if reason is not None:
+                    self.finish(request, reason)
+                    continue
+            self.kv.publish(request)
+        return produced
+
+    def _token_stop(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request in any state; its blocks go back to the pool now."""
+        if request.state.is_finished:
+            return
+        if request.state is RequestState.RUNNING:
+            self.running.remove(request)
+            self.kv.publish(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self.kv.forget(request)
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        request.times.finished = self._clock()
+        del self.requests[request.request_id]
+        if reason is FinishReason.ABORT:
+            self.stats.cancelled += 1
+        elif reason is FinishReason.ERROR:
+            self.stats.failed += 1
+        else:
+            self.stats.completed += 1
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.running)
+        for request in self.waiting:
+            assert not request.block_ids, f"waiting request {request.request_id} holds blocks"
