@@ -48,7 +48,7 @@ class BuildOptions:
     max_num_tokens: int = 512
     max_seq_len: int = 2048
     block_size: int = 16
-    dtype: str = "bf16"
+    dtype: str = "auto"
     kv_blocks: int | None = None
     kv_memory_gb: float | None = None
     backend: Backend = Backend.CPU

@@ -31,6 +31,7 @@ def atomic_engine_folder(output: Path) -> Iterator[Path]:
     output = output.resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-", dir=output.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would make the engine private to its builder
     try:
         yield staging
         if output.exists():

@@ -43,9 +43,23 @@ def kv_pool_shape(spec: ModelSpec, limits: EngineLimits) -> tuple[int, int, int,
     return (spec.num_layers, 2, limits.kv_pool_tokens, spec.num_kv_heads, spec.head_dim)
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """True where the CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16)."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+    except AttributeError:  # older torch: assume no hardware bf16
+        return False
+
+
 def normalize_dtype(dtype: str) -> str:
+    """`auto` picks bf16 where the CPU has bf16 matrix units, else fp32 (bf16 is emulated and
+    3-10x slower than fp32 from a few rows up on AVX2-only machines, measured in bench/step.py)."""
+    if dtype == "auto":
+        return "bfloat16" if cpu_has_bf16_matmul() else "float32"
     if dtype not in DTYPE_ALIASES:
-        raise LimitsError(f"dtype {dtype!r} is not supported; choose one of bf16, fp32")
+        raise LimitsError(f"dtype {dtype!r} is not supported; choose one of auto, bf16, fp32")
     return DTYPE_ALIASES[dtype]
 
 

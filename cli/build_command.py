@@ -9,6 +9,8 @@ from tqdm import tqdm
 
 from ifb.builder.build import BUILD_STAGES, Backend, BuildOptions, BuildSummary, build_engine
 from ifb.builder.errors import BuildError
+from ifb.builder.sources import resolve_source
+from ifb.runtime.engine_resolver import DEFAULT_ENGINES_DIR, engine_name
 
 
 def format_summary(summary: BuildSummary) -> str:
@@ -26,11 +28,6 @@ def format_summary(summary: BuildSummary) -> str:
             f"build time    {summary.seconds:.1f}s ({stages})",
         ]
     )
-
-
-def default_engine_name(source: str | None, options: BuildOptions) -> str:
-    stem = Path(source).stem if source else "smollm2-135m-instruct"
-    return f"{stem}-b{options.max_batch_size}-t{options.max_num_tokens}-s{options.max_seq_len}-{options.dtype}"
 
 
 def run_build(source: str | None, output: Path, options: BuildOptions) -> BuildSummary:
@@ -55,7 +52,13 @@ def run_build(source: str | None, output: Path, options: BuildOptions) -> BuildS
 @click.option("--kv-blocks", type=int, default=None, help="KV pool size in blocks.")
 @click.option("--kv-memory", type=float, default=None, help="KV pool size in GB (instead of --kv-blocks).")
 @click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bf16", "fp32"]),
+    default="auto",
+    show_default=True,
+    help="auto: bf16 where the CPU has bf16 matrix units (AMX/AVX512-BF16), else fp32.",
+)
 @click.option("--backend", type=click.Choice([b.value for b in Backend]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Engine folder.")
 def build(
@@ -81,8 +84,8 @@ def build(
         kv_memory_gb=kv_memory,
         backend=Backend(backend),
     )
-    output = output or Path("engines") / default_engine_name(source, options)
     try:
+        output = output or DEFAULT_ENGINES_DIR / engine_name(resolve_source(source).name, options)
         summary = run_build(source, output, options)
     except BuildError as error:
         raise click.ClickException(str(error)) from None

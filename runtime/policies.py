@@ -99,11 +99,22 @@ def aligned_chunk(request: Request, budget: int, block_size: int) -> int:
 
 
 class ChunkingPolicy(Protocol):
+    def admission_budget(self, prefilling: Sequence[Request], budget: int, block_size: int) -> int: ...
+
+    def admission_cost(self, first_chunk: int, block_size: int) -> int: ...
+
     def split(self, prefilling: Sequence[Request], budget: int, block_size: int) -> list[tuple[Request, int]]: ...
 
 
 class FirstComeFirstServed:
     """Oldest prefill takes as much of the budget as it can use; the next gets the rest."""
+
+    def admission_budget(self, prefilling: Sequence[Request], budget: int, block_size: int) -> int:
+        """What running prefills leave over: a new request is admitted only if it can start now."""
+        return budget - sum(size for _, size in self.split(prefilling, budget, block_size))
+
+    def admission_cost(self, first_chunk: int, block_size: int) -> int:
+        return first_chunk
 
     def split(self, prefilling: Sequence[Request], budget: int, block_size: int) -> list[tuple[Request, int]]:
         chunks = []
@@ -117,6 +128,13 @@ class FirstComeFirstServed:
 
 class EqualProgress:
     """The budget is shared evenly (in whole blocks) so every prefill advances each step."""
+
+    def admission_budget(self, prefilling: Sequence[Request], budget: int, block_size: int) -> int:
+        """Everyone shares: a new request may join while each prefill can still get a block."""
+        return budget - len(prefilling) * block_size
+
+    def admission_cost(self, first_chunk: int, block_size: int) -> int:
+        return min(first_chunk, block_size)
 
     def split(self, prefilling: Sequence[Request], budget: int, block_size: int) -> list[tuple[Request, int]]:
         sizes = {id(r): 0 for r in prefilling}

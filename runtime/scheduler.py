@@ -98,24 +98,20 @@ class Scheduler:
             if self._reserve(request, 1, preempted, chosen):
                 chosen[request.request_id] = 1
                 budget -= 1
-        budget = self._schedule_prefills(budget, chosen, preempted)
+        prefilling = [r for r in self.running if r.num_tokens_to_compute > 1]
         if self.capacity.may_admit_now(num_running_at_start):
-            self._admit(budget, chosen, num_running_at_start)
+            admission_budget = self.chunking.admission_budget(prefilling, budget, self.kv.block_size)
+            prefilling += self._admit(admission_budget, num_running_at_start)
         elif self.waiting:
             self.stats.stalls_batch_full += 1
+        for request, size in self.chunking.split(prefilling, budget, self.kv.block_size):
+            if request.state is RequestState.RUNNING and self._reserve(request, size, preempted, chosen):
+                chosen[request.request_id] = size
         batch = tuple(
             ScheduledRequest(rid, n, self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens)
             for rid, n in chosen.items()
         )
         return ScheduledBatch(batch, tuple(preempted))
-
-    def _schedule_prefills(self, budget: int, chosen: dict[str, int], preempted: list[str]) -> int:
-        prefilling = [r for r in self.running if r.num_tokens_to_compute > 1 and r.state is RequestState.RUNNING]
-        for request, size in self.chunking.split(prefilling, budget, self.kv.block_size):
-            if request.state is RequestState.RUNNING and self._reserve(request, size, preempted, chosen):
-                chosen[request.request_id] = size
-                budget -= size
-        return budget
 
     def _reserve(self, request: Request, num_tokens: int, preempted: list[str], chosen: dict[str, int]) -> bool:
         """Allocate blocks for this step, preempting (policy permitting) until they fit."""
@@ -141,30 +137,33 @@ class Scheduler:
         self.stats.preempted += 1
         logger.debug("preempted %s", request.request_id)
 
-    def _admit(self, budget: int, chosen: dict[str, int], num_running_at_start: int) -> None:
+    def _admit(self, budget: int, num_running_at_start: int) -> list[Request]:
+        """Seat waiting requests (FCFS, head-of-line) while seats, tokens and capacity allow.
+
+        Blocks are allocated afterwards, for the chunk each admitted request actually gets.
+        """
+        admitted: list[Request] = []
         while self.waiting:
             if len(self.running) >= self.config.max_batch_size:
                 self.stats.stalls_batch_full += 1
-                return
+                break
             request = self.waiting[0]
             hits = self.kv.match_prefix(request)
             request.num_computed_tokens = len(hits) * self.kv.block_size
             first_chunk = aligned_chunk(request, budget, self.kv.block_size)
-            if first_chunk == 0:
+            if first_chunk == 0 or not self.capacity.can_admit(request, hits, first_chunk, self.running):
                 request.num_computed_tokens = 0
-                self.stats.stalls_token_budget += 1
-                return
-            if not self.capacity.can_admit(request, hits, first_chunk, self.running):
-                request.num_computed_tokens = 0
-                self.stats.stalls_no_capacity += 1
-                return
+                if first_chunk == 0:
+                    self.stats.stalls_token_budget += 1
+                else:
+                    self.stats.stalls_no_capacity += 1
+                break
             self.waiting.popleft()
             self.kv.admit(request, hits)
-            allocated = self.kv.allocate(request, first_chunk)
-            assert allocated, "capacity policy admitted a request whose first chunk does not fit"
             self._mark_running(request, num_running_at_start)
-            chosen[request.request_id] = first_chunk
-            budget -= first_chunk
+            admitted.append(request)
+            budget -= self.chunking.admission_cost(first_chunk, self.kv.block_size)
+        return admitted
 
     def _mark_running(self, request: Request, num_running_at_start: int) -> None:
         now = self._clock()

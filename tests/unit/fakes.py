@@ -1,0 +1,83 @@
+"""Small factories and a fake engine for scheduler tests (no model, no tensors)."""
+
+from __future__ import annotations
+
+import itertools
+
+from ifb.runtime.kv_cache_manager import KVCacheManager
+from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind, make_capacity_policy, make_chunking_policy
+from ifb.runtime.request import Request, RequestTimes
+from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+_ids = itertools.count()
+EOS = 2
+
+
+def make_request(
+    prompt_len: int,
+    max_tokens: int,
+    *,
+    prompt: list[int] | None = None,
+    params: SamplingParams | None = None,
+    arrival: float | None = None,
+) -> Request:
+    n = next(_ids)
+    tokens = prompt if prompt is not None else [100 + (n * 7 + i) % 50 for i in range(prompt_len)]
+    return Request(
+        request_id=f"r{n}",
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        params=params or SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        max_tokens=max_tokens,
+        times=RequestTimes(arrival=float(n) if arrival is None else arrival),
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_batch_size: int = 8,
+    max_num_tokens: int = 32,
+    max_seq_len: int = 128,
+    policy: CapacityPolicyKind = CapacityPolicyKind.GUARANTEED_NO_EVICT,
+    chunking: ChunkingPolicyKind = ChunkingPolicyKind.FIRST_COME_FIRST_SERVED,
+    prefix_reuse: bool = True,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, prefix_reuse)
+    return Scheduler(
+        SchedulerConfig(max_batch_size, max_num_tokens, max_seq_len),
+        kv,
+        make_capacity_policy(policy, kv),
+        make_chunking_policy(chunking),
+    )
+
+
+class FakeEngine:
+    """Next token = (last known token + 1) % 1000, never EOS: outputs are predictable."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.batches: list[ScheduledBatch] = []
+
+    def step(self) -> ScheduledBatch:
+        batch = self.scheduler.schedule()
+        self.batches.append(batch)
+        sampled = {}
+        for item in batch.requests:
+            if item.sample:
+                request = self.scheduler.requests[item.request_id]
+                sampled[item.request_id] = (request.token_ids[-1] + 1) % 1000 or 3
+        self.scheduler.update(batch, sampled)
+        self.scheduler.check_integrity()
+        return batch
+
+    def run_until_idle(self, max_steps: int = 10_000) -> int:
+        steps = 0
+        while self.scheduler.has_work:
+            self.step()
+            steps += 1
+            assert steps < max_steps, "scheduler made no progress"
+        return steps
