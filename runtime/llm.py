@@ -47,6 +47,7 @@ class LLM:
         chunking: ChunkingPolicyKind | str = ChunkingPolicyKind.FIRST_COME_FIRST_SERVED,
         enable_prefix_reuse: bool = True,
         default_max_tokens: int = 512,
+        kv_blocks: int | None = None,
         step_mode: StepMode | str = StepMode.COMPILED,
         engines_dir: Path = DEFAULT_ENGINES_DIR,
         build_options: BuildOptions | None = None,
@@ -66,10 +67,11 @@ class LLM:
             chunking=chunking,
             enable_prefix_reuse=enable_prefix_reuse,
             default_max_tokens=default_max_tokens,
+            kv_blocks=kv_blocks,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_folder))
         limits = self.engine_config.limits
-        kv = KVCacheManager(limits.num_kv_blocks, limits.block_size, self.config.enable_prefix_reuse)
+        kv = KVCacheManager(self.config.num_kv_blocks, limits.block_size, self.config.enable_prefix_reuse)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_batch_size, self.config.max_num_tokens, limits.max_seq_len),
             kv,
@@ -108,7 +110,7 @@ class LLM:
         """Validate against the engine's limits; raises AdmissionError naming the field."""
         limits = self.engine_config.limits
         params.check_vocab(self.engine_config.spec.vocab_size)
-        check_prompt(len(prompt_token_ids), params.max_tokens, limits.max_seq_len, limits.num_kv_blocks, limits.block_size)
+        check_prompt(len(prompt_token_ids), params.max_tokens, limits.max_seq_len, self.config.num_kv_blocks, limits.block_size)
         room = limits.max_seq_len - len(prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None

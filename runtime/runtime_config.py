@@ -21,6 +21,7 @@ class RuntimeConfig:
     # max_seq_len), so guaranteed_no_evict reserves a bounded number of blocks for it instead of
     # a whole max_seq_len -- one such request can no longer serialize the server.
     default_max_tokens: int = 512
+    num_kv_blocks: int = 0  # blocks the scheduler may use, <= the engine's pool
 
 
 def rebuild_command(engine: EngineConfig, **overrides: int) -> str:
@@ -31,8 +32,9 @@ def rebuild_command(engine: EngineConfig, **overrides: int) -> str:
         **overrides,
     }
     source = engine.record.get("source", {}).get("path", "SOURCE")
+    kv_blocks = limits.pop("num_kv_blocks", engine.limits.num_kv_blocks)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in limits.items())
-    return f"ifb build {source} {flags} --kv-blocks {engine.limits.num_kv_blocks} --dtype {engine.dtype} -o {engine.folder}"
+    return f"ifb build {source} {flags} --kv-blocks {kv_blocks} --dtype {engine.dtype} -o {engine.folder}"
 
 
 def resolve_runtime_config(
@@ -45,9 +47,10 @@ def resolve_runtime_config(
     chunking: ChunkingPolicyKind | str = ChunkingPolicyKind.FIRST_COME_FIRST_SERVED,
     enable_prefix_reuse: bool = True,
     default_max_tokens: int = 512,
+    kv_blocks: int | None = None,
 ) -> RuntimeConfig:
     """Runtime values may lower a baked limit, never raise it."""
-    requested = {"max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}
+    requested = {"max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens, "num_kv_blocks": kv_blocks}
     for name, value in requested.items():
         baked = getattr(engine.limits, name)
         if value is None:
@@ -77,4 +80,5 @@ def resolve_runtime_config(
         chunking=ChunkingPolicyKind(chunking),
         enable_prefix_reuse=enable_prefix_reuse,
         default_max_tokens=default_max_tokens,
+        num_kv_blocks=kv_blocks or engine.limits.num_kv_blocks,
     )

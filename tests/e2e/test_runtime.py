@@ -1,0 +1,169 @@
+"""In-flight batching end to end on a tiny compiled engine: batched output == alone output."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from greedy_loop import greedy_generate
+
+from ifb import LLM, SamplingParams
+from ifb.runtime.engine import Engine, StepMode
+from ifb.runtime.errors import AdmissionError, QueueFullError
+from ifb.runtime.outputs import RequestOutput
+from ifb.runtime.request import FinishReason
+
+
+def workload(seed: int, n: int = 32) -> list[tuple[list[int], int]]:
+    """Random prompts (some sharing a prefix) and output lengths."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 300) for _ in range(32)]
+    items = []
+    for _ in range(n):
+        head = shared[: rng.choice([0, 16, 32])]
+        prompt = head + [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
+        items.append((prompt, rng.randint(1, 20)))
+    return items
+
+
+@pytest.fixture(scope="module")
+def alone_outputs(tiny_llama_engine: Path) -> dict[int, list[int]]:
+    """Each workload request run alone through a plain greedy loop (the reference)."""
+    engine = Engine.load(tiny_llama_engine, StepMode.COMPILED)
+    return {i: greedy_generate(engine, prompt, n) for i, (prompt, n) in enumerate(workload(5))}
+
+
+def run_arriving_over_time(llm: LLM, items: list[tuple[list[int], int]], seed: int) -> dict[int, list[int]]:
+    rng = random.Random(seed)
+    results: dict[int, list[int]] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def sink_for(index: int, collected: list[int]):
+        def sink(output: RequestOutput) -> None:
+            collected.extend(output.new_token_ids)
+            if output.finished:
+                assert output.finish_reason is FinishReason.LENGTH, output
+                with lock:
+                    results[index] = collected
+                    if len(results) == len(items):
+                        done.set()
+
+        return sink
+
+    for index, (prompt, n) in enumerate(items):
+        llm.submit(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink_for(index, []))
+        if rng.random() < 0.5:
+            time.sleep(rng.random() * 0.004)
+    assert done.wait(120), "requests did not finish"
+    return results
+
+
+CONFIGS = {
+    "no_evict": dict(policy="guaranteed_no_evict"),
+    "max_util_small_pool": dict(policy="max_utilization", kv_blocks=16),
+    "static": dict(policy="static_batch"),
+    "chunked_fcfs": dict(max_num_tokens=16),
+    "chunked_equal_progress": dict(max_num_tokens=16, chunking="equal_progress"),
+    "no_prefix_reuse": dict(enable_prefix_reuse=False),
+    "one_at_a_time": dict(max_batch_size=1),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batched_greedy_equals_alone(name: str, tiny_llama_engine: Path, alone_outputs: dict[int, list[int]]) -> None:
+    """32 requests arriving over time: every output equals the same request run alone."""
+    with LLM(tiny_llama_engine, **CONFIGS[name]) as llm:
+        results = run_arriving_over_time(llm, workload(5), seed=9)
+        stats = llm.stats()
+        llm.scheduler.check_integrity()
+    assert results == alone_outputs
+    assert stats["completed"] == 32 and stats["kv_blocks_used"] == 0
+    if name == "max_util_small_pool":
+        assert stats["preempted"] > 0
+    if name in ("no_evict", "chunked_fcfs"):
+        assert stats["admitted_mid_flight"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    if name == "no_prefix_reuse":
+        assert stats["prefix_cache_hit_tokens"] == 0
+
+
+def test_request_with_other_params_joins_mid_flight(tiny_llama_engine: Path) -> None:
+    """A sampled request with its own max_tokens joins a running greedy one at the next step."""
+    with LLM(tiny_llama_engine) as llm:
+        stream = llm.stream([5, 6, 7], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+        next(stream)
+        joined = llm.generate([[9, 10]], SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=3))[0]
+        rest = list(stream)
+        assert rest[-1].finished and joined.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        assert llm.stats()["admitted_mid_flight"] >= 1
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_llama_engine: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=42, ignore_eos=True)
+    with LLM(tiny_llama_engine) as llm:
+        alone = llm.generate([[11, 12, 13]], params)[0].token_ids
+        crowd = [[20 + i, 30] for i in range(6)]
+        together = llm.generate([[11, 12, 13]] + crowd, [params] + [SamplingParams(max_tokens=20, temperature=1.3, ignore_eos=True)] * 6)
+        unseeded = llm.generate([[11, 12, 13]] * 4, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
+    assert together[0].token_ids == alone
+    assert len({o.token_ids for o in unseeded}) > 1
+
+
+def test_stop_token_stop_string_and_logprobs(tiny_llama_engine: Path) -> None:
+    with LLM(tiny_llama_engine) as llm:
+        base = llm.generate([[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3))[0]
+        assert len(base.logprobs) == 16 and all(len(lp.top) == 3 for lp in base.logprobs)
+        assert all(lp.logprob <= 0 and lp.token_id == tok for lp, tok in zip(base.logprobs, base.token_ids))
+        stop_at = base.token_ids[5]
+        first = base.token_ids.index(stop_at)
+        by_id = llm.generate([[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)))[0]
+        assert by_id.finish_reason is FinishReason.STOP and by_id.token_ids == base.token_ids[: first + 1]
+        text = base.text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        if stop.strip():
+            by_str = llm.generate([[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=(stop,)))[0]
+            assert by_str.finish_reason is FinishReason.STOP
+            assert by_str.text == text[: text.index(stop)] and stop not in by_str.text
+
+
+def test_bad_params_and_limits_raise_admission_errors(tiny_llama_engine: Path) -> None:
+    with LLM(tiny_llama_engine) as llm:
+        for kwargs, field in [
+            (dict(temperature=-1.0), "temperature"),
+            (dict(top_p=0.0), "top_p"),
+            (dict(max_tokens=0), "max_tokens"),
+            (dict(top_k=-5), "top_k"),
+            (dict(logprobs=99), "logprobs"),
+        ]:
+            with pytest.raises(AdmissionError) as error:
+                SamplingParams(**kwargs)
+            assert error.value.field == field
+        with pytest.raises(AdmissionError, match="max_seq_len 256") as error:
+            llm.generate([[5] * 200], SamplingParams(max_tokens=100))
+        assert error.value.field == "max_tokens"
+        with pytest.raises(AdmissionError, match="empty"):
+            llm.generate([[]])
+        with pytest.raises(AdmissionError, match="vocab size"):
+            llm.generate([[5]], SamplingParams(logit_bias={10_000: 1.0}))
+
+
+def test_full_server_refuses_without_blocking(tiny_llama_engine: Path) -> None:
+    """Beyond max_batch_size + max_queued_requests a non-blocking caller gets QueueFullError;
+    aborted requests give their seats and blocks back."""
+    with LLM(tiny_llama_engine, max_batch_size=2, max_queued_requests=1) as llm:
+        params = SamplingParams(max_tokens=250, temperature=0, ignore_eos=True)
+        ids = [llm.submit([5, 6], params, lambda o: None) for _ in range(3)]
+        with pytest.raises(QueueFullError):
+            llm.submit([5], SamplingParams(max_tokens=2), lambda o: None, block=False)
+        assert llm.stats()["refused"] == 1
+        for request_id in ids:
+            llm.abort(request_id)
+        deadline = time.time() + 10
+        while llm.stats()["resident"] or llm.stats()["queued"] or llm.stats()["cancelled"] + llm.stats()["completed"] < 3:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert llm.stats()["kv_blocks_used"] == 0
+        assert llm.generate([[5]], SamplingParams(max_tokens=2), block=False)[0].finish_reason is not None
