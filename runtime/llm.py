@@ -22,7 +22,7 @@ from ifb.builder.build import BuildOptions
 from ifb.runtime.admission import AdmissionGate, check_prompt
 from ifb.runtime.engine import Engine, StepMode
 from ifb.runtime.engine_resolver import DEFAULT_ENGINES_DIR, find_or_build_engine
-from ifb.runtime.errors import AdmissionError
+from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.executor import Executor
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
@@ -193,21 +193,34 @@ class LLM:
                 self.abort(request_id)
 
     # -- async --------------------------------------------------------------------------------
-    async def astream(
-        self, prompt: Prompt, params: SamplingParams | None = None, block: bool = True
-    ) -> AsyncIterator[RequestOutput]:
-        """Async deltas; cancelling the consumer aborts the request inside the engine.
+    def open_streams(
+        self, jobs: Sequence[tuple[list[int], SamplingParams]], block: bool = True, timeout: float | None = None
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Validate and enqueue several requests at once (all or none get a seat); returns one
+        async iterator of deltas each. Call from a running event loop.
 
         With block=False a full server raises QueueFullError at once (the HTTP 429 path).
         """
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        request = self.make_request(self.tokenize(prompt), params or SamplingParams())
-        if block:
-            await asyncio.to_thread(self.gate.acquire, True, None)
-        else:
-            self.gate.acquire(block=False)
-        request_id = self._enqueue(request, lambda o: loop.call_soon_threadsafe(inbox.put_nowait, o))
+        requests = [self.make_request(ids, params) for ids, params in jobs]
+        taken = 0
+        try:
+            for _ in requests:
+                self.gate.acquire(block, timeout)
+                taken += 1
+        except BaseException:
+            for _ in range(taken):
+                self.gate.release()
+            raise
+        streams = []
+        for request in requests:
+            inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            self._enqueue(request, lambda o, q=inbox: loop.call_soon_threadsafe(q.put_nowait, o))
+            streams.append(self._drain(request.request_id, inbox))
+        return streams
+
+    async def _drain(self, request_id: str, inbox: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Cancelling or closing the consumer aborts the request inside the engine."""
         finished = False
         try:
             while not finished:
@@ -217,6 +230,21 @@ class LLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Async deltas of one request; waits for a seat without blocking the event loop."""
+        ids = self.tokenize(prompt)
+        params = params or SamplingParams()
+        self.make_request(ids, params)  # validate before waiting for a seat
+        while True:
+            try:
+                (stream,) = self.open_streams([(ids, params)], block=False)
+                break
+            except QueueFullError:
+                self.gate.refused -= 1  # waiting, not refusing
+                await asyncio.sleep(0.01)
+        async for output in stream:
+            yield output
 
     async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None) -> CompletionOutput:
         params = params or SamplingParams()

@@ -1,0 +1,68 @@
+"""Prometheus metrics, `ifb:`-prefixed and shaped like vLLM's, fed by the executor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ifb.runtime.request import Request
+
+if TYPE_CHECKING:
+    from ifb.runtime.llm import LLM
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+
+
+class _SchedulerCollector(Collector):
+    """Gauges and counters read from the scheduler at scrape time."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.llm.stats()
+        yield GaugeMetricFamily("ifb:num_requests_running", "Requests in the running batch.", value=stats["resident"])
+        yield GaugeMetricFamily("ifb:num_requests_waiting", "Requests waiting to be admitted.", value=stats["queued"])
+        usage = stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"])
+        yield GaugeMetricFamily("ifb:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", value=usage)
+        counters = {
+            "ifb:prompt_tokens": ("Prompt tokens computed.", stats["prompt_tokens"]),
+            "ifb:generation_tokens": ("Tokens generated.", stats["generation_tokens"]),
+            "ifb:num_preemptions": ("Requests preempted (max_utilization).", stats["preempted"]),
+            "ifb:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats["prefix_cache_queried_tokens"]),
+            "ifb:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats["prefix_cache_hit_tokens"]),
+            "ifb:request_rejected": ("Requests refused with 429 (server full or queue timeout).", stats["refused"]),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    def __init__(self, llm: LLM) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_SchedulerCollector(llm))
+        r = self.registry
+        self.ttft = Histogram("ifb:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ifb:inter_token_latency_seconds", "Mean time between tokens, per request.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("ifb:e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("ifb:request_queue_time_seconds", "Arrival to admission.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("ifb:request_success", "Finished requests by reason.", ["finished_reason"], registry=r)
+        llm.executor.finish_listeners.append(self.on_finish)
+
+    def on_finish(self, request: Request) -> None:
+        """Runs on the executor thread once per request."""
+        t = request.times
+        if t.first_token is not None:
+            self.ttft.observe(t.first_token - t.arrival)
+            if t.last_token is not None and request.num_output_tokens > 1:
+                self.itl.observe((t.last_token - t.first_token) / (request.num_output_tokens - 1))
+        if t.admitted is not None:
+            self.queue.observe(t.admitted - t.arrival)
+        if t.finished is not None:
+            self.e2e.observe(t.finished - t.arrival)
+        if request.finish_reason is not None:
+            self.finished.labels(request.finish_reason.value).inc()

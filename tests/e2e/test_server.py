@@ -1,0 +1,211 @@
+"""The HTTP server, started for real on loopback, driven by httpx and the official openai client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import running_server
+
+from ifb import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_engine: Path) -> Iterator[tuple[str, LLM]]:
+    llm = LLM(tiny_llama_engine, max_batch_size=4, max_queued_requests=4)
+    with running_server(llm) as base:
+        yield base, llm
+    llm.close()
+
+
+def wait_idle(base: str) -> dict:
+    deadline = time.time() + 20
+    while True:
+        health = httpx.get(base + "/health").json()
+        if health["scheduling"]["resident"] == 0 and health["scheduling"]["queued"] == 0:
+            return health
+        assert time.time() < deadline, health
+        time.sleep(0.02)
+
+
+def test_streaming_equals_non_streaming_equals_python_api(server: tuple[str, LLM]) -> None:
+    base, llm = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    common = dict(model=model, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt="hello world", **common)
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(prompt="hello world", stream=True, **common))
+    direct = llm.generate("hello world", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert plain.choices[0].text == streamed == direct.text
+    assert plain.usage.completion_tokens == 12 and plain.choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "paged attention"}]
+    chat = client.chat.completions.create(messages=messages, **common)
+    chat_stream = client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **common)
+    chunks = list(chat_stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_concurrent_clients_share_batches(server: tuple[str, LLM]) -> None:
+    base, _ = server
+    before = httpx.get(base + "/health").json()["scheduling"]["admitted_mid_flight"]
+    results = []
+
+    def call(i: int) -> None:
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5 + i, 6], "max_tokens": 30 + i, "temperature": 0, "ignore_eos": True}, timeout=60)
+        results.append(r.status_code)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.01 * i)
+    for t in threads:
+        t.join()
+    assert results == [200] * 4
+    assert httpx.get(base + "/health").json()["scheduling"]["admitted_mid_flight"] > before
+
+
+def slow_down(llm: LLM, seconds: float) -> None:
+    """Make every real engine step take at least `seconds`, so requests stay in flight."""
+    step = llm.engine.step
+
+    def slow_step(inputs):  # type: ignore[no-untyped-def]
+        time.sleep(seconds)
+        return step(inputs)
+
+    llm.engine.step = slow_step  # type: ignore[method-assign]
+
+
+def test_429_at_the_exact_limit_and_disconnect_frees_everything(tiny_llama_engine: Path) -> None:
+    """2 seats + 2 queue slots: 4 held streams fill the server, the 5th gets 429 at once;
+    disconnecting all 4 returns every seat and block by the next steps."""
+    llm = LLM(tiny_llama_engine, max_batch_size=2, max_queued_requests=2)
+    slow_down(llm, 0.02)
+    with running_server(llm) as base:
+        body = {"prompt": [7, 8], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+        clients = [httpx.Client(timeout=30) for _ in range(4)]
+        def post_quietly(client: httpx.Client) -> None:
+            try:
+                client.post(base + "/v1/completions", json=body)
+            except httpx.HTTPError:
+                pass  # closed by the test on purpose
+
+        opened = [threading.Thread(target=post_quietly, args=(c,)) for c in clients[2:]]
+        streams = [c.stream("POST", base + "/v1/completions", json=body) for c in clients[:2]]
+        responses = [s.__enter__() for s in streams]
+        for t in opened:  # the queued two: their headers come only once they get a seat
+            t.daemon = True
+            t.start()
+        deadline = time.time() + 10
+        while httpx.get(base + "/health").json()["scheduling"]["queued"] < 2:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        try:
+            assert all(r.status_code == 200 for r in responses)
+            started = time.time()
+            refused = httpx.post(base + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert "full" in refused.json()["error"]["message"] and time.time() - started < 1
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+            for c in clients:
+                c.close()
+        health = wait_idle(base)
+        assert health["kv_cache"]["kv_blocks_used"] == 0
+        assert health["scheduling"]["cancelled"] == 4 and health["scheduling"]["refused"] == 1
+    llm.close()
+
+
+def test_queue_timeout_returns_429(tiny_llama_engine: Path) -> None:
+    llm = LLM(tiny_llama_engine, max_batch_size=1, max_queued_requests=2)
+    slow_down(llm, 0.01)
+    with running_server(llm, queue_timeout=0.3) as base:
+        with httpx.Client(timeout=30) as holder, holder.stream(
+            "POST", base + "/v1/completions", json={"prompt": [5], "max_tokens": 250, "ignore_eos": True, "stream": True}
+        ) as held:
+            lines = held.iter_lines()  # keep the iterator: dropping it closes the stream
+            next(lines)
+            started = time.time()
+            late = httpx.post(base + "/v1/completions", json={"prompt": [6], "max_tokens": 3}, timeout=30)
+            assert late.status_code == 429 and "queue timeout" in late.json()["error"]["message"]
+            assert time.time() - started < 5
+        wait_idle(base)
+    llm.close()
+
+
+BAD_INPUTS = [
+    (b"{not json", "body", 400),
+    (json.dumps({"prompt": "hi", "max_tokens": "many"}).encode(), "max_tokens", 400),
+    (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), "max_tokens", 400),
+    (json.dumps({"prompt": "hi", "max_tokens": -3}).encode(), "max_tokens", 400),
+    (b'{"prompt": "hi", "temperature": NaN}', "temperature", 400),
+    (json.dumps({"prompt": "hi", "temperature": -0.5}).encode(), "temperature", 400),
+    (json.dumps({"prompt": "hi", "top_p": 0}).encode(), "top_p", 400),
+    (json.dumps({"prompt": "hi", "top_p": 1.5}).encode(), "top_p", 400),
+    (json.dumps({"prompt": [5] * 200, "max_tokens": 100}).encode(), "max_tokens", 400),
+    (json.dumps({"prompt": "", "max_tokens": 5}).encode(), "prompt", 400),
+    (json.dumps({"prompt": "hi", "frobnicate": 1}).encode(), "frobnicate", 400),
+    (b'{"prompt": "\xff\xfe"}', "body", 400),
+    (json.dumps({"prompt": "hi", "model": "gpt-17"}).encode(), "model", 404),
+]
+
+
+@pytest.mark.parametrize("raw,field,status", BAD_INPUTS)
+def test_bad_input_names_its_field(server: tuple[str, LLM], raw: bytes, field: str, status: int) -> None:
+    base, _ = server
+    response = httpx.post(base + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"]
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_oversized_body_is_413(server: tuple[str, LLM]) -> None:
+    base, _ = server
+    response = httpx.post(base + "/v1/completions", content=b"x" * (5 << 20), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_api_key_guards_v1_but_not_health(tiny_llama_engine: Path) -> None:
+    llm = LLM(tiny_llama_engine)
+    with running_server(llm, api_key="sekret") as base:
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(base + "/health").status_code == 200
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sekret")
+        assert client.completions.create(model=llm.model_name, prompt="hi", max_tokens=2).choices
+    llm.close()
+
+
+def test_metrics_parse_and_move(server: tuple[str, LLM]) -> None:
+    base, _ = server
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(base + "/metrics").text
+        return {s.name + str(s.labels): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = scrape()
+    httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}, timeout=30)
+    after = scrape()
+    assert after["ifb:generation_tokens_total{}"] >= before.get("ifb:generation_tokens_total{}", 0) + 3
+    assert after["ifb:time_to_first_token_seconds_count{}"] > before.get("ifb:time_to_first_token_seconds_count{}", 0)
+    assert after["ifb:request_success_total{'finished_reason': 'length'}"] >= 1
+    assert "ifb:kv_cache_usage_perc{}" in after and "ifb:num_requests_running{}" in after
+
+
+def test_health_is_503_when_the_executor_is_dead(tiny_llama_engine: Path) -> None:
+    llm = LLM(tiny_llama_engine)
+    with running_server(llm) as base:
+        assert httpx.get(base + "/health").status_code == 200
+        llm.executor.shutdown()
+        response = httpx.get(base + "/health")
+        assert response.status_code == 503 and response.json()["executor"]["alive"] is False
+    llm.close()
