@@ -101,12 +101,19 @@ def load_model(source: ModelSource) -> LoadedModel:
 
     if source.kind is SourceKind.GGUF:
         return _load_gguf(source)
-    config = AutoConfig.from_pretrained(source.path)
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from ifb.builder.model_spec import model_spec_from_hf_config
+
+    config = AutoConfig.from_pretrained(source.path)
+    model_spec_from_hf_config(config)  # refuse unsupported architectures before reading weights
     state: dict[str, torch.Tensor] = {}
     for file in sorted(source.path.glob("*.safetensors")):
-        state.update({k: v.float() for k, v in load_file(file).items()})
+        try:
+            state.update({k: v.float() for k, v in load_file(file).items()})
+        except SafetensorError as error:
+            raise SourceError(f"cannot read weights {file}: {error}") from error
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     return LoadedModel(source, config, state, tokenizer)
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
-
 import click
 
+from ifb.cli.bench_command import bench
 from ifb.cli.build_command import build
 from ifb.cli.run_command import run
 
@@ -25,8 +24,7 @@ def cli(verbose: bool) -> None:
 
 cli.add_command(build)
 cli.add_command(run)
-
-ENGINES_DIR = Path("engines")
+cli.add_command(bench)
 
 if __name__ == "__main__":
     cli()

@@ -1,0 +1,84 @@
+"""engine.json checks at load: version, missing or corrupted files; build refusals; CLI errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from transformers import GPT2Config
+
+from ifb.builder.build import BuildOptions, build_engine
+from ifb.builder.errors import SourceError, UnsupportedModelError
+from ifb.cli.main import cli
+from ifb.runtime.engine import Engine
+from ifb.runtime.errors import EngineFormatError, LimitExceededError
+from ifb.runtime.llm import LLM
+
+
+@pytest.fixture()
+def engine_copy(tiny_llama_engine: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(tiny_llama_engine, tmp_path / "engine"))
+
+
+def test_engine_json_records_limits_and_hashes(tiny_llama_engine: Path) -> None:
+    record = json.loads((tiny_llama_engine / "engine.json").read_text())
+    assert record["limits"] == {"max_batch_size": 8, "max_num_tokens": 64, "max_seq_len": 256, "block_size": 16, "num_kv_blocks": 48}
+    assert record["backend"] == "cpu" and record["dtype"] == "float32" and record["format_version"] == 1
+    assert {"step.pt2", "weights.safetensors", "tokenizer/tokenizer.json"} <= set(record["artifacts"])
+    assert len(record["source"]["sha256"]) == 64 and record["tokenizer"]["has_chat_template"]
+
+
+def test_corrupted_artifact_is_refused(engine_copy: Path) -> None:
+    with (engine_copy / "weights.safetensors").open("r+b") as handle:
+        handle.seek(100)
+        handle.write(b"\x00\x01\x02")
+    with pytest.raises(EngineFormatError, match="weights.safetensors.*corrupted"):
+        Engine.load(engine_copy)
+
+
+def test_missing_artifact_is_refused(engine_copy: Path) -> None:
+    (engine_copy / "step.pt2").unlink()
+    with pytest.raises(EngineFormatError, match="step.pt2.*missing"):
+        Engine.load(engine_copy)
+
+
+def test_wrong_format_version_is_refused(engine_copy: Path) -> None:
+    path = engine_copy / "engine.json"
+    record = json.loads(path.read_text())
+    record["format_version"] = 99
+    path.write_text(json.dumps(record))
+    with pytest.raises(EngineFormatError, match="format_version 99"):
+        Engine.load(engine_copy)
+
+
+def test_runtime_may_lower_but_never_raise_a_limit(tiny_llama_engine: Path) -> None:
+    with pytest.raises(LimitExceededError) as error:
+        LLM(tiny_llama_engine, max_batch_size=16)
+    message = str(error.value)
+    assert "max_batch_size 16" in message and "max_batch_size=8" in message and "ifb build" in message and "--max-batch-size 16" in message
+    with LLM(tiny_llama_engine, max_batch_size=2, max_num_tokens=32) as llm:
+        assert (llm.config.max_batch_size, llm.config.max_num_tokens) == (2, 32)
+
+
+def test_unsupported_architecture_fails_the_build(tmp_path: Path) -> None:
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UnsupportedModelError, match="supported model types"):
+        build_engine(folder, tmp_path / "out", BuildOptions())
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_source_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="does not exist"):
+        build_engine(tmp_path / "nope", tmp_path / "out", BuildOptions())
+
+
+def test_cli_build_reports_errors_without_traceback(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    result = CliRunner().invoke(cli, ["build", str(tiny_llama_dir), "--max-seq-len", "4096", "-o", str(tmp_path / "x")])
+    assert result.exit_code == 1
+    assert "max_seq_len 4096" in result.output and "Traceback" not in result.output

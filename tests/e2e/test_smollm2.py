@@ -1,0 +1,56 @@
+"""The bundled SmolLM2-135M-Instruct (GGUF) through the real builder: greedy equals transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from greedy_loop import greedy_generate
+
+from ifb import LLM, SamplingParams
+from ifb.builder.build import BuildOptions, build_engine
+from ifb.builder.sources import load_model, resolve_source
+from ifb.runtime.engine import Engine, StepMode
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("smollm2") / "engine"
+    build_engine(None, output, BuildOptions(max_batch_size=4, max_num_tokens=128, max_seq_len=512, dtype="fp32"))
+    return output
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2() -> tuple[torch.nn.Module, object]:
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(resolve_source(None))
+    model = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict, strict=False)
+    model.tie_weights()
+    return model.eval(), loaded.tokenizer
+
+
+def test_first_32_greedy_tokens_equal_transformers(smollm2_engine: Path, hf_smollm2: tuple) -> None:
+    model, tokenizer = hf_smollm2
+    engine = Engine.load(smollm2_engine, StepMode.COMPILED)
+    for question in QUESTIONS:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None)[0, len(prompt) :].tolist()
+        assert greedy_generate(engine, list(prompt), 32) == expected, question
+
+
+def test_batched_chat_answers_are_coherent_and_equal_alone(smollm2_engine: Path) -> None:
+    with LLM(smollm2_engine) as llm:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+        params = SamplingParams(max_tokens=24, temperature=0)
+        together = llm.generate(prompts, params)
+        alone = [llm.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert "Paris" in together[0].text
