@@ -18,18 +18,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ifb import LLM, SamplingParams
 from ifb.builder.build import BuildOptions
 from ifb.runtime.engine_resolver import find_or_build_engine
 from ifb.runtime.executor import StepRecord
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.outputs import RequestOutput
-from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind, make_capacity_policy, make_chunking_policy
+from ifb.runtime.policies import (
+    CapacityPolicyKind,
+    ChunkingPolicyKind,
+    make_capacity_policy,
+    make_chunking_policy,
+)
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
 
+from ifb import LLM, SamplingParams
+
 OUTPUT_LENGTHS = (20, 25, 30, 40, 50, 60, 400, 600)
-SYSTEM = "You are a careful assistant. Answer in detail, with examples, and explain each step of your reasoning. " * 3
+SYSTEM = "You are a careful assistant. Answer in detail, with examples, and explain each step of your reasoning. " * 9
 TOPICS = ["paged attention", "in-flight batching", "KV caches", "rotary embeddings", "chunked prefill", "prefix caching", "speculative decoding", "quantization"]
 MODES = {
     "one_at_a_time": dict(max_batch_size=1),

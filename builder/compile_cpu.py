@@ -11,10 +11,9 @@ import logging
 from pathlib import Path
 
 import torch
-from torch.export import Dim
-
 from ifb.builder.limits import EngineLimits
 from ifb.builder.network import StepNetwork
+from torch.export import Dim
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from ifb.builder.model_spec import ModelSpec
 from ifb.plugins.attention import paged_attention, write_kv
 from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
 from ifb.plugins.layout import AttentionLayout
+from torch import nn
 
 AttentionFn = Callable[..., torch.Tensor]
 WriteKvFn = Callable[..., None]

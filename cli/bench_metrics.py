@@ -24,7 +24,7 @@ class RequestTiming:
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
     @property
     def e2e(self) -> float | None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
-import click
 
+import click
 from ifb.cli.bench_command import bench
 from ifb.cli.build_command import build
 from ifb.cli.run_command import run

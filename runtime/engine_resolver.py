@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
-from ifb.builder.build import BuildOptions, build_engine
+from ifb.builder.build import BuildOptions
 from ifb.builder.engine_writer import ENGINE_JSON
+from ifb.builder.errors import BuildError
 from ifb.builder.limits import normalize_dtype
 from ifb.builder.sources import resolve_source, source_sha256
 
@@ -51,5 +54,24 @@ def find_or_build_engine(
                 return candidate
     output = engines_dir / engine_name(source.name, options)
     logger.info("no engine under %s matches %s; building %s", engines_dir, source.name, output)
-    build_engine(target, output, options)
+    build_in_subprocess(target, output, options)
     return output
+
+
+def build_in_subprocess(target: str | Path | None, output: Path, options: BuildOptions) -> None:
+    """`ifb build` in a child process: the serving process keeps no OpenMP thread team of the
+    builder's (see executor.py) and none of its memory."""
+    command = [sys.executable, "-m", "ifb.cli.main", "build"] + ([str(target)] if target is not None else [])
+    command += [
+        "--max-batch-size", str(options.max_batch_size), "--max-num-tokens", str(options.max_num_tokens),
+        "--max-seq-len", str(options.max_seq_len), "--block-size", str(options.block_size),
+        "--dtype", options.dtype, "--backend", options.backend.value, "-o", str(output),
+    ]
+    if options.kv_blocks is not None:
+        command += ["--kv-blocks", str(options.kv_blocks)]
+    if options.kv_memory_gb is not None:
+        command += ["--kv-memory", str(options.kv_memory_gb)]
+    result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise BuildError(f"building {output} failed (exit {result.returncode}); see the messages above")
+    sys.stderr.write(result.stdout)

@@ -17,16 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from ifb.builder.build import BuildOptions
 from ifb.runtime.admission import AdmissionGate, check_prompt
 from ifb.runtime.engine import Engine, StepMode
+from ifb.runtime.engine_config import load_engine_config
 from ifb.runtime.engine_resolver import DEFAULT_ENGINES_DIR, find_or_build_engine
 from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.executor import Executor
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
-from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind, make_capacity_policy, make_chunking_policy
+from ifb.runtime.policies import (
+    CapacityPolicyKind,
+    ChunkingPolicyKind,
+    make_capacity_policy,
+    make_chunking_policy,
+)
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.runtime_config import RuntimeConfig, resolve_runtime_config
 from ifb.runtime.sampling_params import SamplingParams
@@ -56,8 +61,8 @@ class LLM:
         from transformers import AutoTokenizer
 
         folder = find_or_build_engine(engine, build_options or BuildOptions(), engines_dir)
-        self.engine = Engine.load(folder, StepMode(step_mode))
-        self.engine_config = self.engine.config
+        self.engine_config = load_engine_config(folder)
+        mode = StepMode(step_mode)
         self.config: RuntimeConfig = resolve_runtime_config(
             self.engine_config,
             max_batch_size=max_batch_size,
@@ -78,7 +83,7 @@ class LLM:
             make_capacity_policy(self.config.policy, kv),
             make_chunking_policy(self.config.chunking),
         )
-        self.executor = Executor(self.engine, self.scheduler, self.tokenizer)
+        self.executor = Executor(lambda: Engine(self.engine_config, mode), self.scheduler, self.tokenizer)
         self.gate = AdmissionGate(self.config.max_batch_size + self.config.max_queued_requests)
         self.eos_token_ids = frozenset(self.engine_config.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -86,6 +91,11 @@ class LLM:
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self.executor.start()
+
+    @property
+    def engine(self) -> Engine:
+        assert self.executor.engine is not None
+        return self.executor.engine
 
     @property
     def model_name(self) -> str:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from ifb.runtime.sampling_params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class StreamOptions(BaseModel):

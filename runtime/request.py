@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
-
 from ifb.runtime.sampling_params import SamplingParams
 
 

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from ifb.runtime.request import Request
 
 _NEG_INF = float("-inf")

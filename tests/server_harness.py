@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-
 from ifb.runtime.llm import LLM
 from ifb.runtime.server import create_app
 

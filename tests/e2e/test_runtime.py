@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from greedy_loop import greedy_generate
-
-from ifb import LLM, SamplingParams
 from ifb.runtime.engine import Engine, StepMode
 from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason
+
+from ifb import LLM, SamplingParams
 
 
 def workload(seed: int, n: int = 32) -> list[tuple[list[int], int]]:
@@ -116,7 +116,7 @@ def test_stop_token_stop_string_and_logprobs(tiny_llama_engine: Path) -> None:
     with LLM(tiny_llama_engine) as llm:
         base = llm.generate([[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3))[0]
         assert len(base.logprobs) == 16 and all(len(lp.top) == 3 for lp in base.logprobs)
-        assert all(lp.logprob <= 0 and lp.token_id == tok for lp, tok in zip(base.logprobs, base.token_ids))
+        assert all(lp.logprob <= 0 and lp.token_id == tok for lp, tok in zip(base.logprobs, base.token_ids, strict=True))
         stop_at = base.token_ids[5]
         first = base.token_ids.index(stop_at)
         by_id = llm.generate([[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)))[0]

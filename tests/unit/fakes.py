@@ -5,7 +5,12 @@ from __future__ import annotations
 import itertools
 
 from ifb.runtime.kv_cache_manager import KVCacheManager
-from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind, make_capacity_policy, make_chunking_policy
+from ifb.runtime.policies import (
+    CapacityPolicyKind,
+    ChunkingPolicyKind,
+    make_capacity_policy,
+    make_chunking_policy,
+)
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig

@@ -6,9 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-
 from ifb.cli.bench_metrics import RequestTiming, Slo, percentile, summarize
-from ifb.cli.bench_workloads import LengthDistribution, dataset_workload, poisson_workload, seeds_workload
+from ifb.cli.bench_workloads import (
+    LengthDistribution,
+    dataset_workload,
+    poisson_workload,
+    seeds_workload,
+)
 
 
 def test_workloads_are_deterministic_under_a_seed() -> None:
@@ -17,7 +21,7 @@ def test_workloads_are_deterministic_under_a_seed() -> None:
     b = poisson_workload(3.0, 20, dist, LengthDistribution.parse("uniform:5-40"), seed=7)
     c = poisson_workload(3.0, 20, dist, LengthDistribution.parse("uniform:5-40"), seed=8)
     assert a == b and a != c
-    assert all(x.arrival_s < y.arrival_s for x, y in zip(a, a[1:]))
+    assert all(x.arrival_s < y.arrival_s for x, y in zip(a, a[1:], strict=False))
     assert all(5 <= r.max_tokens <= 40 for r in a)
     seeds = seeds_workload(seed=1)
     assert [r.max_tokens for r in seeds] == [20, 25, 30, 40, 50, 60, 400, 600] * 2

@@ -6,7 +6,6 @@ import random
 
 import pytest
 from fakes import FakeEngine, make_request, make_scheduler
-
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.request import FinishReason, RequestState
 
@@ -160,7 +159,7 @@ def test_seeded_random_workload_keeps_invariants(policy: CapacityPolicyKind, chu
     engine = FakeEngine(s)
     shared = [rng.randrange(100, 900) for _ in range(16)]
     everyone = []
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.3:
             prompt = (shared[: rng.choice([0, 8, 16])] + [rng.randrange(100, 900) for _ in range(rng.randint(1, 30))])
             r = make_request(0, rng.randint(1, 30), prompt=prompt)
