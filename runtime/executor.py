@@ -26,6 +26,7 @@ from typing import Any
 
 from ifb.runtime.detokenizer import IncrementalDetokenizer
 from ifb.runtime.engine import Engine
+from ifb.runtime.guided import fill_bitmask
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
 from ifb.runtime.request import FinishReason, Request
 from ifb.runtime.sampler import Sampler
@@ -179,8 +180,11 @@ class Executor:
             engine = self.engine
             assert engine is not None
             inputs = build_step_inputs(slices, engine.config.limits.block_size)
+            guided = [(row, r.grammar_matcher) for row, r in enumerate(sampling) if r.grammar_matcher is not None]
+            # The compiled step holds the GIL, so masks are filled before it rather than during it.
+            bitmask = fill_bitmask(guided, len(sampling), engine.config.spec.vocab_size) if guided else None
             logits = engine.step(inputs)
-            result = self.sampler.sample(logits, sampling) if sampling else None
+            result = self.sampler.sample(logits, sampling, bitmask) if sampling else None
         except Exception as error:
             logger.exception("engine step failed; failing its %d requests", len(requests))
             for request in requests:
@@ -208,6 +212,11 @@ class Executor:
         detok.push([token])
         if detok.stopped and not request.state.is_finished:
             self.scheduler.finish(request, FinishReason.STOP)
+        matcher = request.grammar_matcher
+        if matcher is not None and not matcher.is_terminated():
+            matcher.accept_token(token)
+            if matcher.is_terminated() and not request.state.is_finished:
+                self.scheduler.finish(request, FinishReason.STOP)  # the constraint is complete
         final = request.state.is_finished
         output = RequestOutput(
             request_id=request.request_id,

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import os
 import queue
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -24,6 +25,7 @@ from ifb.runtime.engine_config import load_engine_config
 from ifb.runtime.engine_resolver import DEFAULT_ENGINES_DIR, find_or_build_engine
 from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.executor import Executor
+from ifb.runtime.guided import GrammarCompiler
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
 from ifb.runtime.policies import (
@@ -88,6 +90,8 @@ class LLM:
         self.eos_token_ids = frozenset(self.engine_config.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self.executor.start()
@@ -124,6 +128,7 @@ class LLM:
         room = limits.max_seq_len - len(prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        matcher = self.grammar_compiler().matcher(params.guided) if params.guided is not None else None
         return Request(
             request_id=f"req-{self._id_prefix}-{next(self._ids)}",
             token_ids=list(prompt_token_ids),
@@ -133,7 +138,16 @@ class LLM:
             times=RequestTimes(arrival=time.perf_counter()),
             eos_token_ids=self.eos_token_ids,
             generator=generator,
+            grammar_matcher=matcher,
         )
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Created on first use, so servers without guided requests never load xgrammar."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                stop = sorted(self.eos_token_ids)
+                self._grammars = GrammarCompiler(self.tokenizer, self.engine_config.spec.vocab_size, stop)
+            return self._grammars
 
     def submit(
         self,
@@ -277,6 +291,9 @@ class LLM:
             kv_blocks_cached=kv.num_cached_blocks,
             prefix_cache_queried_tokens=kv.prefix_queried_tokens,
             prefix_cache_hit_tokens=kv.prefix_hit_tokens,
+            guided_requests=self._grammars.num_compiled if self._grammars else 0,
+            grammar_compile_seconds_total=self._grammars.compile_seconds_total if self._grammars else 0.0,
+            grammar_compile_seconds_max=self._grammars.compile_seconds_max if self._grammars else 0.0,
         )
         return data
 

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from ifb.runtime.errors import AdmissionError
+from ifb.runtime.guided import GuidedDecoding
 from ifb.runtime.sampling_params import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -38,6 +46,35 @@ class _Common(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    # guided decoding: OpenAI's response_format and vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+
+    def guided(self) -> GuidedDecoding | None:
+        """At most one constraint; AdmissionError names the field otherwise."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            rf = self.response_format
+            if rf.type == "json_object":
+                given.append(GuidedDecoding.json_object())
+            else:
+                if rf.json_schema is None or "schema" not in rf.json_schema:
+                    raise AdmissionError("response_format.json_schema.schema is required for type json_schema", field="response_format")
+                given.append(GuidedDecoding.json_schema(rf.json_schema["schema"], field="response_format"))
+        if self.guided_json is not None:
+            given.append(GuidedDecoding.json_schema(self.guided_json))
+        if self.guided_regex is not None:
+            given.append(GuidedDecoding.regex(self.guided_regex))
+        if self.guided_grammar is not None:
+            given.append(GuidedDecoding.grammar(self.guided_grammar))
+        if self.guided_choice is not None:
+            given.append(GuidedDecoding.choice(self.guided_choice))
+        if len(given) > 1:
+            raise AdmissionError("give at most one of response_format, guided_json, guided_regex, guided_grammar, guided_choice", field=given[1].field)
+        return given[0] if given else None
 
     def logprobs_count(self) -> int | None:
         return None
@@ -65,12 +102,11 @@ class _Common(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=self.logprobs_count(),
             cache_salt=self.cache_salt,
+            guided=self.guided(),
         )
 
 
 def _token_key(key: str) -> int:
-    from ifb.runtime.errors import AdmissionError
-
     try:
         return int(key)
     except ValueError:

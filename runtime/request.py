@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 from ifb.runtime.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    grammar_matcher: Any = None  # xgrammar matcher of a guided request; advanced by the executor
     num_preemptions: int = 0
     was_admitted_mid_flight: bool = False
     logprobs: list[dict[int, float]] = field(default_factory=list)

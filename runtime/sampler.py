@@ -1,6 +1,6 @@
 """Sampler: per-request parameters applied to one batch of logits, vectorized over rows.
 
-Order: logit bias -> penalties -> min_tokens EOS mask -> (guided mask) -> temperature ->
+Order: logit bias -> min_tokens EOS mask -> penalties -> guided bitmask -> temperature ->
 top-k / top-p / min-p -> sample. Seeded rows draw their noise from their own generator, so a
 seeded request samples the same tokens whatever else shares its batch.
 """
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from ifb.runtime.guided import apply_bitmask
 from ifb.runtime.request import Request
 
 _NEG_INF = float("-inf")
@@ -59,9 +60,8 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
 class Sampler:
     """Turns [R, vocab] logits of R sampling requests into one token each."""
 
-    def sample(
-        self, logits: torch.Tensor, requests: Sequence[Request], masks: Sequence[torch.Tensor | None] | None = None
-    ) -> SampleResult:
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request], bitmask: torch.Tensor | None = None) -> SampleResult:
+        """`bitmask` (xgrammar's int32 layout) constrains the guided rows; others are untouched."""
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in requests) else None
         logits = logits.clone()
         for row, request in enumerate(requests):
@@ -73,14 +73,14 @@ class Sampler:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
                 if banned:
                     logits[row, torch.tensor(sorted(banned), dtype=torch.long)] = _NEG_INF
-            if masks is not None and masks[row] is not None:
-                logits[row].masked_fill_(~masks[row], _NEG_INF)
         penalized = [
             i
             for i, r in enumerate(requests)
             if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
         ]
         _apply_penalties(logits, penalized, requests)
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask, [i for i, r in enumerate(requests) if r.grammar_matcher is not None])
         tokens = self._choose(logits, requests)
         return self._with_logprobs(tokens, raw_logprobs, requests)
 

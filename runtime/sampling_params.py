@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ifb.runtime.errors import AdmissionError
+from ifb.runtime.guided import GuidedDecoding
 
 
 def _check(condition: bool, name: str, allowed: str, value: Any) -> None:
@@ -42,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-N alternatives per token (0 = only the sampled token)
     cache_salt: str | None = None
+    guided: GuidedDecoding | None = None  # JSON schema / regex / grammar / choice constraint
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,0 +1,116 @@
+"""Guided decoding inside the running batch: outputs always match their constraint."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+from server_harness import running_server
+
+from ifb import LLM, SamplingParams
+from ifb.runtime.errors import AdmissionError
+from ifb.runtime.guided import GuidedDecoding
+from ifb.runtime.request import FinishReason
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "mood": {"type": "string", "enum": ["calm", "busy"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["ok", "mood", "n"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{3}-[0-9]{2}"
+CHOICES = ["alpha", "beta", "gamma delta"]
+GRAMMAR = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9]'
+
+
+def guides() -> list[GuidedDecoding]:
+    return [GuidedDecoding.json_schema(SCHEMA), GuidedDecoding.regex(REGEX), GuidedDecoding.choice(CHOICES), GuidedDecoding.grammar(GRAMMAR)]
+
+
+def check(guide: GuidedDecoding, text: str) -> None:
+    if guide.kind.value == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif guide.kind.value == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif guide.kind.value == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"\([1-9](\+[1-9])*\)", text), text
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_engine: Path):
+    with LLM(tiny_llama_engine) as instance:
+        yield instance
+
+
+def test_guided_outputs_match_across_many_seeds(llm: LLM) -> None:
+    for guide in guides():
+        params = [SamplingParams(max_tokens=60, temperature=1.0, seed=seed, guided=guide) for seed in range(12)]
+        for output in llm.generate([[5, 6, 7]] * len(params), params):
+            if guide.kind.value != "grammar":  # an unbounded grammar may be cut by length
+                assert output.finish_reason is FinishReason.STOP, (guide.kind, output.text)
+            if output.finish_reason is FinishReason.STOP:
+                check(guide, output.text)
+
+
+def test_guided_and_plain_requests_share_one_batch(llm: LLM) -> None:
+    """Four guided + four plain requests are resident together; plain outputs equal alone."""
+    plain = [([10 + i, 11], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for i in range(4)]
+    alone = [llm.generate([p], s)[0].token_ids for p, s in plain]
+    sizes: list[int] = []
+    llm.executor.step_listeners.append(lambda step: sizes.append(step.num_requests))
+    guided = [([5, 6], SamplingParams(max_tokens=40, temperature=0.7, seed=i, guided=g)) for i, g in enumerate(guides())]
+    outputs = llm.generate([p for p, _ in guided + plain], [s for _, s in guided + plain])
+    llm.executor.step_listeners.clear()
+    assert max(sizes) == 8
+    assert [o.token_ids for o in outputs[4:]] == alone
+    for guide, output in zip(guides(), outputs[:4], strict=True):
+        if output.finish_reason is FinishReason.STOP:
+            check(guide, output.text)
+    assert llm.stats()["guided_requests"] >= 4
+
+
+def test_guided_output_survives_preemption(tiny_llama_engine: Path) -> None:
+    with LLM(tiny_llama_engine, policy="max_utilization", kv_blocks=16) as small:
+        params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, guided=GuidedDecoding.json_schema(SCHEMA)) for s in range(8)]
+        filler = [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)] * 4
+        outputs = small.generate([[5] * 30] * 8 + [[9] * 30] * 4, params + filler)
+        assert small.stats()["preempted"] > 0
+    for output in outputs[:8]:
+        assert output.finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(output.text), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "guide,field",
+    [
+        (GuidedDecoding.json_schema('{"type": "object", "properties": 7}'), "guided_json"),
+        (GuidedDecoding.regex("[a-z"), "guided_regex"),
+        (GuidedDecoding.grammar("root ::= undefined_rule"), "guided_grammar"),
+    ],
+)
+def test_invalid_constraints_are_refused_before_taking_a_seat(llm: LLM, guide: GuidedDecoding, field: str) -> None:
+    before = llm.stats()["submitted"]
+    with pytest.raises(AdmissionError) as error:
+        llm.generate([[5]], SamplingParams(max_tokens=5, guided=guide))
+    assert error.value.field == field and "invalid" in str(error.value)
+    assert llm.stats()["submitted"] == before
+
+
+def test_http_response_format_and_guided_fields(tiny_llama_engine: Path) -> None:
+    with LLM(tiny_llama_engine) as instance, running_server(instance) as base:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "temperature": 0.8, "seed": 1,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+        reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
+        jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), SCHEMA)
+        choice = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "guided_choice": CHOICES}, timeout=60).json()
+        assert choice["choices"][0]["text"] in CHOICES
+        bad = httpx.post(base + "/v1/completions", json={"prompt": "x", "guided_regex": "(unclosed"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+        both = httpx.post(base + "/v1/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, timeout=60)
+        assert both.status_code == 400
