@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install run test bench clean-engines
+.PHONY: install run test bench lint
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,3 +24,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/step.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy runtime builder plugins

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ifb import LLM, SamplingParams
 from ifb.builder.build import BuildOptions
 from ifb.runtime.engine_resolver import find_or_build_engine
 from ifb.runtime.executor import StepRecord
@@ -31,8 +32,6 @@ from ifb.runtime.policies import (
 )
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
-
-from ifb import LLM, SamplingParams
 
 OUTPUT_LENGTHS = (20, 25, 30, 40, 50, 60, 400, 600)
 SYSTEM = "You are a careful assistant. Answer in detail, with examples, and explain each step of your reasoning. " * 9

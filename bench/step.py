@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from ifb.builder.build import BuildOptions
 from ifb.builder.sources import load_model, resolve_source
 from ifb.runtime.engine import Engine, StepMode

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+
 from ifb.builder.compile_cpu import compile_cpu_engine
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
@@ -25,7 +27,6 @@ from ifb.builder.limits import (
 from ifb.builder.model_spec import model_spec_from_hf_config
 from ifb.builder.network import StepNetwork, hf_to_network_state_dict
 from ifb.builder.sources import LoadedModel, load_model, resolve_source, source_sha256
-from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 

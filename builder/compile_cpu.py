@@ -8,12 +8,14 @@ without recompiling.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.export import Dim
+
 from ifb.builder.limits import EngineLimits
 from ifb.builder.network import StepNetwork
-from torch.export import Dim
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,6 @@ def compile_cpu_engine(
     return Path(path)
 
 
-def load_cpu_engine(package_path: Path) -> torch.nn.Module:
+def load_cpu_engine(package_path: Path) -> Callable[..., torch.Tensor]:
     """Load a compiled step package; no compilation happens here."""
-    return torch._inductor.aoti_load_package(str(package_path))
+    return torch._inductor.aoti_load_package(str(package_path))  # type: ignore[no-any-return]

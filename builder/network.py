@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from ifb.builder.model_spec import ModelSpec
 from ifb.plugins.attention import paged_attention, write_kv
 from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
 from ifb.plugins.layout import AttentionLayout
-from torch import nn
 
 AttentionFn = Callable[..., torch.Tensor]
 WriteKvFn = Callable[..., None]
@@ -147,6 +148,8 @@ class StepNetwork(nn.Module):
             self.lm_head.weight = self.embed.weight
         freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq.float())
         angles = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", angles.cos() * rope_scaling, persistent=False)
         self.register_buffer("rope_sin", angles.sin() * rope_scaling, persistent=False)
 

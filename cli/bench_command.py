@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+from tqdm import tqdm
+
 from ifb.cli.bench_metrics import PERCENTILES, Slo, summarize
 from ifb.cli.bench_runner import MODE_OPTIONS, ModeRun, run_against_url, run_in_process
 from ifb.cli.bench_workloads import (
@@ -18,7 +20,6 @@ from ifb.cli.bench_workloads import (
     poisson_workload,
     seeds_workload,
 )
-from tqdm import tqdm
 
 
 def make_workload(scenario: str, dataset: Path | None, rate: float, num_requests: int, prompt_len: str, output_len: str, seed: int) -> list[BenchRequest]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from tqdm import tqdm
+
 from ifb.builder.build import BUILD_STAGES, Backend, BuildOptions, BuildSummary, build_engine
 from ifb.builder.errors import BuildError
 from ifb.builder.sources import resolve_source
 from ifb.runtime.engine_resolver import DEFAULT_ENGINES_DIR, engine_name
-from tqdm import tqdm
 
 
 def format_summary(summary: BuildSummary) -> str:

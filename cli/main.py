@@ -6,6 +6,7 @@ import logging
 import sys
 
 import click
+
 from ifb.cli.bench_command import bench
 from ifb.cli.build_command import build
 from ifb.cli.run_command import run

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+
 from ifb.builder.build import BuildOptions
 from ifb.builder.errors import BuildError
 from ifb.runtime.errors import IfbError
@@ -105,6 +106,7 @@ def run(
             _stream_prompt(llm, prompt, max_tokens, temperature)
             return
         import uvicorn
+
         from ifb.runtime.server import create_app
 
         app = create_app(llm, api_key=api_key, queue_timeout=queue_timeout)

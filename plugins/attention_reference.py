@@ -7,6 +7,7 @@ against these in tests.
 from __future__ import annotations
 
 import torch
+
 from ifb.plugins.layout import AttentionLayout
 
 

@@ -8,13 +8,14 @@ from enum import Enum
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+
 from ifb.builder.compile_cpu import kv_pool_views
 from ifb.builder.limits import kv_pool_shape
 from ifb.builder.network import FAST_OPS, REFERENCE_OPS, StepNetwork
 from ifb.runtime.engine_config import EngineConfig, load_engine_config
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step_inputs import StepInputs
-from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from ifb.builder.build import BuildOptions
 from ifb.runtime.admission import AdmissionGate, check_prompt
 from ifb.runtime.engine import Engine, StepMode
@@ -186,7 +187,7 @@ class LLM:
     ) -> list[CompletionOutput]:
         """One CompletionOutput per prompt, in order."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
-        prompt_list: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        prompt_list: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         param_list = self._params_per_prompt(params, len(prompt_list))
         inboxes: list[queue.SimpleQueue[RequestOutput]] = []
         token_lists = [self.tokenize(p) for p in prompt_list]
@@ -239,9 +240,16 @@ class LLM:
         streams = []
         for request in requests:
             inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            self._enqueue(request, lambda o, q=inbox: loop.call_soon_threadsafe(q.put_nowait, o))
+            self._enqueue(request, self._threadsafe_put(loop, inbox))
             streams.append(self._drain(request.request_id, inbox))
         return streams
+
+    @staticmethod
+    def _threadsafe_put(loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[RequestOutput]) -> Callable[[RequestOutput], None]:
+        def put(output: RequestOutput) -> None:
+            loop.call_soon_threadsafe(inbox.put_nowait, output)
+
+        return put
 
     async def _drain(self, request_id: str, inbox: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Cancelling or closing the consumer aborts the request inside the engine."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
 from ifb.runtime.sampling_params import SamplingParams
-from pydantic import BaseModel, ConfigDict, Field
 
 
 class ResponseFormat(BaseModel):

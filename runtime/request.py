@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+
 from ifb.runtime.sampling_params import SamplingParams
 
 

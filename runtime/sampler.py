@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from ifb.runtime.guided import apply_bitmask
 from ifb.runtime.request import Request
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ifb.runtime.kv_cache_manager import KVCacheManager
@@ -57,7 +57,7 @@ class Scheduler:
         kv: KVCacheManager,
         capacity: CapacityPolicy,
         chunking: ChunkingPolicy,
-        clock: type[time.perf_counter] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -67,7 +67,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self._clock = clock or time.perf_counter
+        self._clock = clock
 
     # -- inbox ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:

@@ -14,15 +14,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.llm import LLM
 from ifb.runtime.metrics import Metrics
 from ifb.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.sampling_params import SamplingParams
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 

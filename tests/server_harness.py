@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+
 from ifb.runtime.llm import LLM
 from ifb.runtime.server import create_app
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_loop import greedy_generate, scattered_blocks
+from transformers import AutoModelForCausalLM
+
 from ifb.runtime.engine import Engine, StepMode
 from ifb.runtime.step_inputs import RequestSlice, build_step_inputs
-from transformers import AutoModelForCausalLM
 
 FP32_TOLERANCE = 2e-4  # max abs logit difference, fp32, logits of magnitude ~1-10
 

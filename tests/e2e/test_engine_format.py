@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from transformers import GPT2Config
+
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.errors import SourceError, UnsupportedModelError
 from ifb.cli.main import cli
 from ifb.runtime.engine import Engine
 from ifb.runtime.errors import EngineFormatError, LimitExceededError
 from ifb.runtime.llm import LLM
-from transformers import GPT2Config
 
 
 @pytest.fixture()

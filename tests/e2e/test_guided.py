@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-from ifb.runtime.errors import AdmissionError
-from ifb.runtime.guided import GuidedDecoding
-from ifb.runtime.request import FinishReason
 from server_harness import running_server
 
 from ifb import LLM, SamplingParams
+from ifb.runtime.errors import AdmissionError
+from ifb.runtime.guided import GuidedDecoding
+from ifb.runtime.request import FinishReason
 
 SCHEMA = {
     "type": "object",

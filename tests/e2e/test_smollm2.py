@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_loop import greedy_generate
+
+from ifb import LLM, SamplingParams
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.sources import load_model, resolve_source
 from ifb.runtime.engine import Engine, StepMode
-
-from ifb import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from ifb.cli.bench_metrics import RequestTiming, Slo, percentile, summarize
 from ifb.cli.bench_workloads import (
     LengthDistribution,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fakes import make_request
+
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.sampling_params import SamplingParams
 

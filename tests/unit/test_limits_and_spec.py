@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from transformers import GPT2Config, LlamaConfig
+
 from ifb.builder.errors import LimitsError, UnsupportedModelError
 from ifb.builder.limits import resolve_limits
 from ifb.builder.model_spec import model_spec_from_hf_config
-from transformers import GPT2Config, LlamaConfig
 
 SPEC = model_spec_from_hf_config(
     LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)

@@ -6,6 +6,7 @@ import random
 
 import pytest
 from fakes import FakeEngine, make_request, make_scheduler
+
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.request import FinishReason, RequestState
 
