@@ -35,6 +35,10 @@ STEP_PACKAGE = "step.pt2"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUILD_STAGES = ("load", "convert", "compile", "write")
+TENSORRT_UNAVAILABLE = (
+    "the tensorrt backend needs a CUDA GPU and the [tensorrt] extra (pip install -e '.[tensorrt]'); "
+    "this ifb builds and runs --backend cpu engines"
+)
 
 
 class Backend(str, Enum):
@@ -101,7 +105,7 @@ def build_engine(
 ) -> BuildSummary:
     """Build an engine folder at `output` (atomically); see design.md §3."""
     if options.backend is Backend.TENSORRT:
-        raise BuildError("the tensorrt backend needs a CUDA GPU and the [tensorrt] extra; use --backend cpu")
+        raise BuildError(TENSORRT_UNAVAILABLE)
     started = time.perf_counter()
     stages: dict[str, float] = {}
     dtype = normalize_dtype(options.dtype)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ifb.builder.build import TENSORRT_UNAVAILABLE
 from ifb.builder.compile_cpu import kv_pool_views
 from ifb.builder.limits import kv_pool_shape
 from ifb.builder.network import FAST_OPS, REFERENCE_OPS, StepNetwork
@@ -49,7 +50,7 @@ def load_network(config: EngineConfig, reference_ops: bool) -> StepNetwork:
 def _make_step(config: EngineConfig, mode: StepMode) -> StepFn:
     if mode is StepMode.COMPILED:
         if config.backend != "cpu":
-            raise EngineFormatError(f"backend {config.backend!r} cannot run on this machine")
+            raise EngineFormatError(f"{config.folder} is a {config.backend} engine: {TENSORRT_UNAVAILABLE}")
         return torch._inductor.aoti_load_package(str(config.step_package))
     return load_network(config, reference_ops=mode is StepMode.REFERENCE)
 

@@ -82,3 +82,16 @@ def test_cli_build_reports_errors_without_traceback(tmp_path: Path, tiny_llama_d
     result = CliRunner().invoke(cli, ["build", str(tiny_llama_dir), "--max-seq-len", "4096", "-o", str(tmp_path / "x")])
     assert result.exit_code == 1
     assert "max_seq_len 4096" in result.output and "Traceback" not in result.output
+
+
+def test_tensorrt_without_cuda_is_one_clear_line(tiny_llama_dir: Path, engine_copy: Path, tmp_path: Path) -> None:
+    """No CUDA here: building or running a TensorRT engine refuses without a traceback."""
+    runner = CliRunner()
+    built = runner.invoke(cli, ["build", str(tiny_llama_dir), "--backend", "tensorrt", "-o", str(tmp_path / "trt")])
+    assert built.exit_code == 1 and "CUDA GPU" in built.output and "[tensorrt]" in built.output
+    assert "Traceback" not in built.output and not (tmp_path / "trt").exists()
+    record = json.loads((engine_copy / "engine.json").read_text())
+    record["backend"] = "tensorrt"
+    (engine_copy / "engine.json").write_text(json.dumps(record))
+    ran = runner.invoke(cli, ["run", str(engine_copy), "--prompt", "hi"])
+    assert ran.exit_code == 1 and "CUDA GPU" in ran.output and "Traceback" not in ran.output

@@ -54,3 +54,26 @@ def test_batched_chat_answers_are_coherent_and_equal_alone(smollm2_engine: Path)
         alone = [llm.generate([p], params)[0] for p in prompts]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     assert "Paris" in together[0].text
+
+
+def test_guided_json_on_smollm2_validates_across_seeds(smollm2_engine: Path) -> None:
+    import json
+
+    import jsonschema
+
+    from ifb.runtime.guided import GuidedDecoding
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    with LLM(smollm2_engine) as llm:
+        prompt = llm.apply_chat_template([{"role": "user", "content": "Name a city and its country as JSON."}])
+        params = [SamplingParams(max_tokens=48, temperature=0.8, seed=s, guided=GuidedDecoding.json_schema(schema)) for s in range(4)]
+        choice = SamplingParams(max_tokens=8, temperature=0, guided=GuidedDecoding.choice(["Paris", "London", "Rome"]))
+        outputs = llm.generate([prompt] * 4 + [llm.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])], params + [choice])
+    for output in outputs[:4]:
+        jsonschema.validate(json.loads(output.text), schema)
+    assert outputs[4].text == "Paris"

@@ -1,0 +1,87 @@
+"""ONNX export of the step network: the graph the TensorRT backend builds its plan from.
+
+ONNX has no in-place writes, so the exported graph returns, besides the logits, the K/V rows of
+this step's tokens for every layer (`kv_rows_*`, [num_tokens, kv_heads, head_dim]); the runtime
+writes them into its pool at `slot_mapping`. Inside the graph attention already sees them.
+Dimension bounds (= the baked limits) are recorded as model metadata, `ifb.bounds.<dim>`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ifb.builder.compile_cpu import dynamic_shapes, kv_pool_views, sample_step_inputs
+from ifb.builder.limits import EngineLimits
+from ifb.builder.network import StepNetwork
+
+
+class _WithKvRows(nn.Module):
+    """The step network, returning the rows it wrote into each pool as extra outputs."""
+
+    def __init__(self, network: StepNetwork) -> None:
+        super().__init__()
+        self.network = network
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_query_rows: torch.Tensor,
+        context_block_tables: torch.Tensor,
+        decode_query_rows: torch.Tensor,
+        decode_block_tables: torch.Tensor,
+        decode_seq_lens: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_pools: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        logits = self.network(
+            input_ids, positions, slot_mapping, context_query_rows, context_block_tables,
+            decode_query_rows, decode_block_tables, decode_seq_lens, logits_indices, kv_pools,
+        )
+        return (logits, *[pool[slot_mapping] for pool in kv_pools])
+
+
+def dimension_bounds(limits: EngineLimits) -> dict[str, tuple[int, int]]:
+    """The [min, max] of every dynamic step dimension: what a TensorRT profile is built from."""
+    return {
+        "num_tokens": (1, limits.max_num_tokens),
+        "num_context": (0, limits.max_batch_size),
+        "max_chunk_len": (1, limits.max_num_tokens),
+        "context_blocks": (1, limits.max_blocks_per_seq),
+        "num_decode": (0, limits.max_batch_size),
+        "decode_blocks": (1, limits.max_blocks_per_seq),
+        "num_logits": (1, limits.max_batch_size),
+    }
+
+
+def export_onnx(network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, path: Path) -> Path:
+    """Export `network` with the step contract's dynamic dimensions to `path` (one file)."""
+    import onnx
+
+    wrapper = _WithKvRows(network).eval()
+    num_pools = 2 * kv_cache.shape[0]
+    with torch.no_grad():
+        program = torch.onnx.export(
+            wrapper,
+            sample_step_inputs(limits, kv_cache),
+            output_names=["logits", *[f"kv_rows_{i}" for i in range(num_pools)]],
+            dynamic_shapes=dynamic_shapes(limits, num_pools),
+            dynamo=True,
+            external_data=False,
+        )
+    assert program is not None
+    program.save(str(path))
+    model = onnx.load(str(path))
+    for name, (low, high) in dimension_bounds(limits).items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = f"ifb.bounds.{name}", json.dumps([low, high])
+    onnx.save(model, str(path))
+    return path
+
+
+__all__ = ["dimension_bounds", "export_onnx", "kv_pool_views"]

@@ -1,0 +1,60 @@
+"""The ONNX graph the TensorRT backend builds from, run by onnxruntime on the CPU in every CI run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from test_engine import FP32_TOLERANCE, _mixed_step_slices
+
+from ifb.builder.export_onnx import dimension_bounds, export_onnx
+from ifb.runtime.engine import Engine, StepMode, load_network
+from ifb.runtime.onnx_step import OnnxStep
+from ifb.runtime.step_inputs import build_step_inputs
+
+
+@pytest.fixture(scope="module")
+def onnx_path(tiny_llama_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    engine = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
+    network = load_network(engine.config, reference_ops=False)
+    return export_onnx(network, engine.config.limits, engine.kv_cache, tmp_path_factory.mktemp("onnx") / "step.onnx")
+
+
+def test_onnxruntime_matches_the_torch_reference_on_mixed_steps(tiny_llama_engine: Path, onnx_path: Path) -> None:
+    """Warm-up then a step mixing two prefill chunks and two decodes over scattered blocks."""
+    reference = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
+    via_onnx = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
+    via_onnx._step = OnnxStep(onnx_path)  # same Engine, the ONNX graph as its step
+    warmup, mixed = _mixed_step_slices(reference)
+    block_size = reference.config.limits.block_size
+    for engine in (reference, via_onnx):
+        engine.step(build_step_inputs(warmup, block_size))
+    expected = reference.step(build_step_inputs(mixed, block_size))
+    actual = via_onnx.step(build_step_inputs(mixed, block_size))
+    assert actual.shape == expected.shape == (4, reference.config.spec.vocab_size)
+    assert (actual - expected).abs().max().item() < FP32_TOLERANCE
+    assert (via_onnx.kv_cache - reference.kv_cache).abs().max().item() < 1e-5
+
+
+def test_onnx_dimensions_are_dynamic_and_bounded_by_the_baked_limits(tiny_llama_engine: Path, onnx_path: Path) -> None:
+    model = onnx.load(str(onnx_path))
+    limits = Engine.load(tiny_llama_engine, StepMode.REFERENCE).config.limits
+    bounds = {p.key.removeprefix("ifb.bounds."): tuple(json.loads(p.value)) for p in model.metadata_props if p.key.startswith("ifb.bounds.")}
+    assert bounds == dimension_bounds(limits)
+    assert bounds["num_tokens"] == (1, limits.max_num_tokens) and bounds["num_decode"] == (0, limits.max_batch_size)
+    shapes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert all(isinstance(d, str) for d in shapes["input_ids"] + shapes["context_query_rows"] + shapes["decode_block_tables"])
+    assert shapes["kv_pools_0"] == [limits.kv_pool_tokens, 2, 16]  # the pool is static: baked at build
+
+
+def test_greedy_through_onnxruntime_equals_the_compiled_engine(tiny_llama_engine: Path, onnx_path: Path) -> None:
+    from greedy_loop import greedy_generate
+
+    compiled = Engine.load(tiny_llama_engine, StepMode.COMPILED)
+    via_onnx = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
+    via_onnx._step = OnnxStep(onnx_path)
+    prompt = torch.arange(3, 40).tolist()
+    assert greedy_generate(via_onnx, prompt, 16, chunk=16) == greedy_generate(compiled, prompt, 16, chunk=16)
