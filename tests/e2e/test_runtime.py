@@ -167,3 +167,21 @@ def test_full_server_refuses_without_blocking(tiny_llama_engine: Path) -> None:
             time.sleep(0.01)
         assert llm.stats()["kv_blocks_used"] == 0
         assert llm.generate([[5]], SamplingParams(max_tokens=2), block=False)[0].finish_reason is not None
+
+
+def test_calls_from_several_threads_share_batches(tiny_llama_engine: Path) -> None:
+    with LLM(tiny_llama_engine) as llm:
+        sizes: list[int] = []
+        llm.executor.step_listeners.append(lambda step: sizes.append(step.num_requests))
+        results: dict[int, tuple[int, ...]] = {}
+
+        def call(i: int) -> None:
+            results[i] = llm.generate([[20 + i, 21]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].token_ids
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        alone = {i: llm.generate([[20 + i, 21]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].token_ids for i in range(4)}
+    assert results == alone and max(sizes) >= 2

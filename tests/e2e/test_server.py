@@ -209,3 +209,14 @@ def test_health_is_503_when_the_executor_is_dead(tiny_llama_engine: Path) -> Non
         response = httpx.get(base + "/health")
         assert response.status_code == 503 and response.json()["executor"]["alive"] is False
     llm.close()
+
+
+def test_non_streaming_disconnect_cancels_inside_the_engine(tiny_llama_engine: Path) -> None:
+    llm = LLM(tiny_llama_engine)
+    slow_down(llm, 0.02)
+    with running_server(llm) as base:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 240, "ignore_eos": True}, timeout=0.5)
+        health = wait_idle(base)
+        assert health["scheduling"]["cancelled"] == 1 and health["kv_cache"]["kv_blocks_used"] == 0
+    llm.close()

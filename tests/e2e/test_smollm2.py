@@ -42,7 +42,10 @@ def test_first_32_greedy_tokens_equal_transformers(smollm2_engine: Path, hf_smol
     for question in QUESTIONS:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)
         with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None)[0, len(prompt) :].tolist()
+            ids = torch.tensor([prompt])
+            # explicit mask: the prompt contains <|im_end|>, which is also SmolLM2's pad token
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None)
+            expected = expected[0, len(prompt) :].tolist()
         assert greedy_generate(engine, list(prompt), 32) == expected, question
 
 
