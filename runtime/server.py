@@ -91,15 +91,7 @@ def create_app(llm: LLM, *, api_key: str | None = None, queue_timeout: float | N
     async def on_full(_: Request, error: QueueFullError) -> JSONResponse:
         return error_response(429, str(error), headers={"Retry-After": "1"})
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1/"):
-            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "missing or invalid API key (Authorization: Bearer KEY)")
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > max_body_bytes:
-                return error_response(413, f"request body of {length} bytes exceeds the limit of {max_body_bytes}")
-        return await call_next(request)
+    app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_id:
@@ -200,6 +192,30 @@ _KV_KEYS = (
 
 class _NotFound(Exception):
     pass
+
+
+class _GuardMiddleware:
+    """API key and body-size checks on /v1/*, as plain ASGI: Starlette's BaseHTTPMiddleware
+    hides client disconnects from the endpoint, which must see them to cancel requests."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            refusal = None
+            if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+                refusal = error_response(401, "missing or invalid API key (Authorization: Bearer KEY)")
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > self.max_body_bytes:
+                refusal = error_response(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _completion_prompts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
