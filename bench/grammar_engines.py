@@ -22,7 +22,7 @@ def bench_xgrammar(tokenizer, vocab: int, tokens: list[int]) -> tuple[float, flo
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
     start = time.perf_counter()
-    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(json.dumps(SCHEMA))
     compile_s = time.perf_counter() - start
     matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
@@ -43,7 +43,7 @@ def bench_llguidance(tokenizer, vocab: int, tokens: list[int]) -> tuple[float, f
 
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
     start = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults={"whitespace_flexible": False})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
     matcher = llguidance.LLMatcher(lltok, grammar)
     compile_s = time.perf_counter() - start
     bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)

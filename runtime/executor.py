@@ -11,7 +11,7 @@ step fails that step's requests (finish reason `error`) and the loop goes on.
 The engine is created on this thread too: once another thread has run OpenMP work, libgomp
 has two thread teams on two cores and throttles its spin-waits, which made every compiled step
 ~1.8x slower (bench: 44 ms vs 80 ms for a batch-8 decode). Keep torch compute off the caller's
-thread.
+thread. Loop threads come from one process-wide pool (engine_threads.py) and are reused.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
 from ifb.runtime.detokenizer import IncrementalDetokenizer
 from ifb.runtime.engine import Engine
+from ifb.runtime.engine_threads import run_on_engine_thread
 from ifb.runtime.guided import fill_bitmask
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
 from ifb.runtime.request import FinishReason, Request
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[RequestOutput], None]
 StepListener = Callable[["StepRecord"], None]
 _SUMMARY_INTERVAL_S = 5.0
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +82,7 @@ class Executor:
         self._sinks: dict[str, Sink] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ifb-executor", daemon=True)
+        self._loop: Future[None] | None = None
         self.last_heartbeat = time.monotonic()
         self.step_in_progress_since: float | None = None
         self.step_listeners: list[StepListener] = []
@@ -91,7 +94,7 @@ class Executor:
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start the loop; returns once the engine is loaded on the executor thread (or raises)."""
-        self._thread.start()
+        self._loop = run_on_engine_thread(self._run)
         self._ready.wait()
         if self._start_error is not None:
             raise self._start_error
@@ -105,12 +108,12 @@ class Executor:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._inbox.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._loop is not None:
+            wait([self._loop], timeout)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._loop is not None and not self._loop.done()
 
     # -- executor thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -140,6 +143,7 @@ class Executor:
             raise
         finally:
             self._finish_all(FinishReason.ABORT, "server shutting down")
+            self.engine = None  # the pooled thread outlives this loop; let the KV pool go
 
     def _take_inbox(self, block: bool) -> None:
         try:
