@@ -28,6 +28,8 @@ class ChunkingPolicyKind(str, Enum):
 class CapacityPolicy(Protocol):
     def may_admit_now(self, num_running_at_step_start: int) -> bool: ...
 
+    def admission_token_budget(self, budget: int) -> int: ...
+
     def can_admit(self, request: Request, prefix_hits: list[int], first_chunk: int, running: Sequence[Request]) -> bool: ...
 
     def choose_victim(self, running: Sequence[Request]) -> Request | None: ...
@@ -41,6 +43,9 @@ class GuaranteedNoEvict:
 
     def may_admit_now(self, num_running_at_step_start: int) -> bool:
         return True
+
+    def admission_token_budget(self, budget: int) -> int:
+        return budget  # a request is seated only when it can start computing this step
 
     def can_admit(self, request: Request, prefix_hits: list[int], first_chunk: int, running: Sequence[Request]) -> bool:
         reserved = sum(self.kv.blocks_needed_to_completion(r) for r in running)
@@ -61,6 +66,9 @@ class MaxUtilization:
     def may_admit_now(self, num_running_at_step_start: int) -> bool:
         return True
 
+    def admission_token_budget(self, budget: int) -> int:
+        return budget
+
     def can_admit(self, request: Request, prefix_hits: list[int], first_chunk: int, running: Sequence[Request]) -> bool:
         total = self.kv.blocks_for_tokens(len(prefix_hits) * self.kv.block_size + first_chunk)
         needed = total - len(prefix_hits) + self.kv.num_free_among(prefix_hits)
@@ -78,6 +86,13 @@ class StaticBatch(GuaranteedNoEvict):
 
     def may_admit_now(self, num_running_at_step_start: int) -> bool:
         return num_running_at_step_start == 0
+
+    def admission_token_budget(self, budget: int) -> int:
+        # The whole batch is seated at once; its prompts are then chunked over the next steps.
+        return _UNBOUNDED
+
+
+_UNBOUNDED = 1 << 40
 
 
 def make_capacity_policy(kind: CapacityPolicyKind, kv: KVCacheManager) -> CapacityPolicy:

@@ -100,7 +100,9 @@ class Scheduler:
                 budget -= 1
         prefilling = [r for r in self.running if r.num_tokens_to_compute > 1]
         if self.capacity.may_admit_now(num_running_at_start):
-            admission_budget = self.chunking.admission_budget(prefilling, budget, self.kv.block_size)
+            admission_budget = self.capacity.admission_token_budget(
+                self.chunking.admission_budget(prefilling, budget, self.kv.block_size)
+            )
             prefilling += self._admit(admission_budget, num_running_at_start)
         elif self.waiting:
             self.stats.stalls_batch_full += 1

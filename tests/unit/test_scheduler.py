@@ -113,6 +113,21 @@ def test_static_batch_admits_only_when_nothing_runs() -> None:
     assert late.finish_reason is FinishReason.LENGTH and not late.was_admitted_mid_flight
 
 
+def test_static_batch_seats_the_whole_batch_even_when_prompts_exceed_one_step() -> None:
+    """Eight 20-token prompts under a 16-token budget: all eight are seated in the first step
+    (prefilled over the next steps); a ninth waits for the batch to drain."""
+    s = make_scheduler(policy=CapacityPolicyKind.STATIC_BATCH, max_num_tokens=16, max_batch_size=8)
+    engine = FakeEngine(s)
+    batch_members = [make_request(20, 3) for _ in range(9)]
+    for r in batch_members:
+        s.add(r)
+    engine.step()
+    assert [r.state for r in batch_members[:8]] == [RequestState.RUNNING] * 8
+    assert batch_members[8].state is RequestState.WAITING
+    engine.run_until_idle()
+    assert all(r.finish_reason is FinishReason.LENGTH for r in batch_members)
+
+
 def test_max_batch_size_limits_seats() -> None:
     s = make_scheduler(max_batch_size=2)
     engine = FakeEngine(s)
