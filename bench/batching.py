@@ -35,7 +35,16 @@ from ifb.runtime.scheduler import Scheduler, SchedulerConfig
 
 OUTPUT_LENGTHS = (20, 25, 30, 40, 50, 60, 400, 600)
 SYSTEM = "You are a careful assistant. Answer in detail, with examples, and explain each step of your reasoning. " * 9
-TOPICS = ["paged attention", "in-flight batching", "KV caches", "rotary embeddings", "chunked prefill", "prefix caching", "speculative decoding", "quantization"]
+TOPICS = [
+    "paged attention",
+    "in-flight batching",
+    "KV caches",
+    "rotary embeddings",
+    "chunked prefill",
+    "prefix caching",
+    "speculative decoding",
+    "quantization",
+]
 MODES = {
     "one_at_a_time": dict(max_batch_size=1),
     "static_batch": dict(max_batch_size=8, policy="static_batch"),
@@ -54,7 +63,10 @@ class Finished:
 def prompts(llm: LLM) -> list[list[int]]:
     out = []
     for topic in TOPICS:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Explain {topic} to a new engineer."}]
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Explain {topic} to a new engineer."},
+        ]
         out.append(llm.apply_chat_template(messages))
     return out
 
@@ -113,9 +125,23 @@ def run_mode(engine: Path, options: dict, wave_gap: float) -> dict:
 def scheduler_cost_us(num_running: int = 64, steps: int = 2000) -> float:
     """schedule() + update() with `num_running` decoding requests, no model."""
     kv = KVCacheManager(num_blocks=num_running * 64, block_size=16)
-    scheduler = Scheduler(SchedulerConfig(num_running, 8192, 4096), kv, make_capacity_policy(CapacityPolicyKind.GUARANTEED_NO_EVICT, kv), make_chunking_policy(ChunkingPolicyKind.FIRST_COME_FIRST_SERVED))
+    scheduler = Scheduler(
+        SchedulerConfig(num_running, 8192, 4096),
+        kv,
+        make_capacity_policy(CapacityPolicyKind.GUARANTEED_NO_EVICT, kv),
+        make_chunking_policy(ChunkingPolicyKind.FIRST_COME_FIRST_SERVED),
+    )
     for i in range(num_running):
-        scheduler.add(Request(f"r{i}", list(range(100 + i, 300 + i)), 200, SamplingParams(max_tokens=3000, ignore_eos=True), 3000, RequestTimes(0.0)))
+        scheduler.add(
+            Request(
+                f"r{i}",
+                list(range(100 + i, 300 + i)),
+                200,
+                SamplingParams(max_tokens=3000, ignore_eos=True),
+                3000,
+                RequestTimes(0.0),
+            )
+        )
     for _ in range(2):  # prefill everyone
         batch = scheduler.schedule()
         scheduler.update(batch, {r.request_id: 5 for r in batch.requests if r.sample})
@@ -136,13 +162,23 @@ def main() -> None:
     results = {name: run_mode(engine, options, args.wave_gap) for name, options in MODES.items()}
     inflight, static = results["in_flight"], results["static_batch"]
     floor_s = args.wave_gap + max(OUTPUT_LENGTHS) * inflight["mean_step_ms"] / 1000
-    print(f"{'mode':16s}{'wall s':>9s}{'steps':>7s}{'tok/s':>8s}{'slots':>7s}{'step ms':>9s}{'TTFT p50':>10s}   TTFT per request (s)")
+    print(
+        f"{'mode':16s}{'wall s':>9s}{'steps':>7s}{'tok/s':>8s}{'slots':>7s}{'step ms':>9s}{'TTFT p50':>10s}   TTFT per request (s)"
+    )
     for name, r in results.items():
-        print(f"{name:16s}{r['wall_s']:9.1f}{r['steps']:7d}{r['tokens_per_s']:8.1f}{r['slot_utilization']:7.0%}{r['mean_step_ms']:9.1f}{r['ttft_p50_s']:10.2f}   {r['ttft_s']}")
-    print(f"prompt {inflight['prompt_tokens']} tokens; floor = wave gap + 600 steps at the in-flight step time = {floor_s:.1f} s")
-    print(f"in-flight vs floor: {inflight['wall_s'] / floor_s:.2f}x   in-flight vs static: {static['wall_s'] / inflight['wall_s']:.2f}x faster   vs one-at-a-time: {results['one_at_a_time']['wall_s'] / inflight['wall_s']:.2f}x")
+        print(
+            f"{name:16s}{r['wall_s']:9.1f}{r['steps']:7d}{r['tokens_per_s']:8.1f}{r['slot_utilization']:7.0%}{r['mean_step_ms']:9.1f}{r['ttft_p50_s']:10.2f}   {r['ttft_s']}"
+        )
+    print(
+        f"prompt {inflight['prompt_tokens']} tokens; floor = wave gap + 600 steps at the in-flight step time = {floor_s:.1f} s"
+    )
+    print(
+        f"in-flight vs floor: {inflight['wall_s'] / floor_s:.2f}x   in-flight vs static: {static['wall_s'] / inflight['wall_s']:.2f}x faster   vs one-at-a-time: {results['one_at_a_time']['wall_s'] / inflight['wall_s']:.2f}x"
+    )
     cost = scheduler_cost_us()
-    print(f"scheduler schedule+update, 64 running: {cost:.0f} us per step = {100 * cost / 1000 / inflight['mean_step_ms']:.1f}% of an in-flight step")
+    print(
+        f"scheduler schedule+update, 64 running: {cost:.0f} us per step = {100 * cost / 1000 / inflight['mean_step_ms']:.1f}% of an in-flight step"
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"results": results, "floor_s": floor_s, "scheduler_us_64": cost}, indent=2))
 

@@ -12,7 +12,15 @@ import time
 
 from ifb.builder.sources import load_model, resolve_source
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name", "age", "tags"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+}
 TEXT = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "engines", "poetry"]}, separators=(",", ":"))
 
 
@@ -66,7 +74,9 @@ def main() -> None:
         except ImportError:
             print(f"{name}: not installed")
             continue
-        print(f"{name:11s} compile {1000 * compile_s:8.1f} ms   mask per token (median) {1e6 * mask_s:8.1f} us   over {len(tokens)} tokens")
+        print(
+            f"{name:11s} compile {1000 * compile_s:8.1f} ms   mask per token (median) {1e6 * mask_s:8.1f} us   over {len(tokens)} tokens"
+        )
 
 
 if __name__ == "__main__":

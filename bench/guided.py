@@ -1,6 +1,6 @@
 """Guided decoding cost: a batch of 16 where half are JSON-schema guided vs none guided.
 
-    .venv/bin/python bench/guided.py [--engine ENGINE_DIR] [--max-tokens 64]
+.venv/bin/python bench/guided.py [--engine ENGINE_DIR] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -14,15 +14,28 @@ from ifb.builder.build import BuildOptions
 from ifb.runtime.engine_resolver import find_or_build_engine
 from ifb.runtime.guided import GuidedDecoding
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}}, "required": ["name", "age", "tags"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    },
+    "required": ["name", "age", "tags"],
+}
 
 
 def run(llm: LLM, guided_half: bool, max_tokens: int) -> tuple[float, int]:
-    prompts = [llm.apply_chat_template([{"role": "user", "content": f"Describe person number {i} as JSON."}]) for i in range(16)]
+    prompts = [
+        llm.apply_chat_template([{"role": "user", "content": f"Describe person number {i} as JSON."}])
+        for i in range(16)
+    ]
     params = []
     for i in range(16):
         guide = GuidedDecoding.json_schema(SCHEMA) if guided_half and i % 2 == 0 else None
-        params.append(SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, ignore_eos=guide is None, guided=guide))
+        params.append(
+            SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, ignore_eos=guide is None, guided=guide)
+        )
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
@@ -45,7 +58,9 @@ def main() -> None:
     print(f"none guided: {plain_tokens} tokens in {plain_wall:.2f}s = {plain:.1f} tok/s")
     print(f"half guided: {guided_tokens} tokens in {guided_wall:.2f}s = {guided:.1f} tok/s")
     print(f"throughput cost of guiding half the batch: {100 * (1 - guided / plain):.1f}%")
-    print(f"grammar compiles: {stats['guided_requests']}, total {stats['grammar_compile_seconds_total']:.3f}s, max {stats['grammar_compile_seconds_max']:.3f}s")
+    print(
+        f"grammar compiles: {stats['guided_requests']}, total {stats['grammar_compile_seconds_total']:.3f}s, max {stats['grammar_compile_seconds_max']:.3f}s"
+    )
 
 
 if __name__ == "__main__":

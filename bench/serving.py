@@ -43,8 +43,11 @@ def main() -> None:
     engine = Path(args.engine or find_or_build_engine(None, BuildOptions(max_batch_size=32, max_num_tokens=512)))
     slo = Slo.parse(args.slo)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "ifb.cli.main", "run", str(engine), "--port", str(port), "--max-batch-size", "16"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ifb.cli.main", "run", str(engine), "--port", str(port), "--max-batch-size", "16"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -61,17 +64,31 @@ def main() -> None:
         for index, rate in enumerate(float(r) for r in args.rates.split(",")):
             # a new seed per rate: the server keeps its prefix cache across rates, a fresh
             # in-process LLM does not, so repeating prompts would flatter the HTTP path
-            workload = poisson_workload(rate, args.num_requests, LengthDistribution.parse("uniform:50-150"), LengthDistribution.parse("uniform:16-96"), seed=100 + index)
+            workload = poisson_workload(
+                rate,
+                args.num_requests,
+                LengthDistribution.parse("uniform:50-150"),
+                LengthDistribution.parse("uniform:16-96"),
+                seed=100 + index,
+            )
             http = run_against_url(url, workload, 600, lambda n: None)
             local = run_in_process(engine, "guaranteed_no_evict", workload, {"max_batch_size": 16}, 600, lambda n: None)
-            rows[rate] = {"http": summarize(http.timings, http.wall_s, slo), "python": summarize(local.timings, local.wall_s, slo)}
+            rows[rate] = {
+                "http": summarize(http.timings, http.wall_s, slo),
+                "python": summarize(local.timings, local.wall_s, slo),
+            }
     finally:
         server.terminate()
         server.wait(30)
-    print(f"{'rate':>5s} {'path':7s}{'tok/s':>8s}{'goodput':>9s}" + "".join(f"{m + ' p' + q:>11s}" for m in ("ttft", "itl", "e2e") for q in ("50", "95", "99")))
+    print(
+        f"{'rate':>5s} {'path':7s}{'tok/s':>8s}{'goodput':>9s}"
+        + "".join(f"{m + ' p' + q:>11s}" for m in ("ttft", "itl", "e2e") for q in ("50", "95", "99"))
+    )
     for rate, pair in rows.items():
         for path, r in pair.items():
-            cells = "".join(f"{1000 * r[f'{m}_p{q}_s']:11.0f}" for m in ("ttft", "itl", "e2e") for q in ("50", "95", "99"))
+            cells = "".join(
+                f"{1000 * r[f'{m}_p{q}_s']:11.0f}" for m in ("ttft", "itl", "e2e") for q in ("50", "95", "99")
+            )
             print(f"{rate:5.1f} {path:7s}{r['output_tokens_per_s']:8.1f}{r['goodput_requests_per_s']:9.2f}{cells}")
         overhead = 1 - pair["http"]["output_tokens_per_s"] / pair["python"]["output_tokens_per_s"]
         print(f"      HTTP + streaming throughput overhead at {rate}/s: {100 * overhead:.1f}%")

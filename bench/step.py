@@ -55,7 +55,9 @@ def engine_times(engine: Engine, repeats: int) -> dict[str, float]:
         slices = [RequestSlice([5], CONTEXT, list(range(b * blocks, (b + 1) * blocks)), True) for b in range(batch)]
         inputs = build_step_inputs(slices, bs)
         out[f"decode_b{batch}"] = median_ms(lambda inputs=inputs: engine.step(inputs), repeats)
-    prefill = build_step_inputs([RequestSlice(list(range(100, 100 + PREFILL)), 0, list(range(PREFILL // bs)), True)], bs)
+    prefill = build_step_inputs(
+        [RequestSlice(list(range(100, 100 + PREFILL)), 0, list(range(PREFILL // bs)), True)], bs
+    )
     out["prefill_512"] = median_ms(lambda: engine.step(prefill), max(3, repeats // 2))
     return out
 
@@ -106,8 +108,12 @@ def main() -> None:
         del model
 
     columns = [f"decode_b{b}" for b in BATCHES] + ["prefill_512"]
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"read bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> decode lower bound {weight_bytes / bandwidth / 1e6:.1f} ms")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    print(
+        f"read bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> decode lower bound {weight_bytes / bandwidth / 1e6:.1f} ms"
+    )
     print(f"{'ms per step':40s}" + "".join(f"{c:>14s}" for c in columns))
     for name, row in results.items():
         print(f"{name:40s}" + "".join(f"{row[c]:14.1f}" for c in columns))
@@ -123,7 +129,11 @@ def main() -> None:
     for name, ratio in ratios.items():
         print(f"speedup {name}: {ratio:.2f}x")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes, "ms": results, "speedups": ratios}, indent=2))
+    args.output.write_text(
+        json.dumps(
+            {"bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes, "ms": results, "speedups": ratios}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -94,9 +94,7 @@ def dynamic_shapes(limits: EngineLimits, num_pools: int) -> tuple[object, ...]:
     )
 
 
-def compile_cpu_engine(
-    network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, package_path: Path
-) -> Path:
+def compile_cpu_engine(network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, package_path: Path) -> Path:
     """Export and AOT-compile `network` into a .pt2 package at `package_path`."""
     network.eval()
     sample = sample_step_inputs(limits, kv_cache)

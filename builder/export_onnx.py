@@ -40,8 +40,16 @@ class _WithKvRows(nn.Module):
         kv_pools: list[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
         logits = self.network(
-            input_ids, positions, slot_mapping, context_query_rows, context_block_tables,
-            decode_query_rows, decode_block_tables, decode_seq_lens, logits_indices, kv_pools,
+            input_ids,
+            positions,
+            slot_mapping,
+            context_query_rows,
+            context_block_tables,
+            decode_query_rows,
+            decode_block_tables,
+            decode_seq_lens,
+            logits_indices,
+            kv_pools,
         )
         return (logits, *[pool[slot_mapping] for pool in kv_pools])
 

@@ -22,12 +22,16 @@ from ifb.cli.bench_workloads import (
 )
 
 
-def make_workload(scenario: str, dataset: Path | None, rate: float, num_requests: int, prompt_len: str, output_len: str, seed: int) -> list[BenchRequest]:
+def make_workload(
+    scenario: str, dataset: Path | None, rate: float, num_requests: int, prompt_len: str, output_len: str, seed: int
+) -> list[BenchRequest]:
     if dataset is not None:
         return dataset_workload(dataset, rate=rate if scenario == "poisson" else None, seed=seed)
     if scenario == "seeds":
         return seeds_workload(seed)
-    return poisson_workload(rate, num_requests, LengthDistribution.parse(prompt_len), LengthDistribution.parse(output_len), seed)
+    return poisson_workload(
+        rate, num_requests, LengthDistribution.parse(prompt_len), LengthDistribution.parse(output_len), seed
+    )
 
 
 def _git_revision() -> str | None:
@@ -38,10 +42,20 @@ def _git_revision() -> str | None:
 
 
 def _table(rows: dict[str, dict[str, Any]]) -> str:
-    columns = [("req/s", "requests_per_s", 1), ("tok/s", "output_tokens_per_s", 1), ("goodput", "goodput_requests_per_s", 1)]
+    columns = [
+        ("req/s", "requests_per_s", 1),
+        ("tok/s", "output_tokens_per_s", 1),
+        ("goodput", "goodput_requests_per_s", 1),
+    ]
     for name in ("ttft", "itl", "e2e"):
         columns += [(f"{name} p{q}", f"{name}_p{q}_s", 1000) for q in PERCENTILES]
-    columns += [("queue p50", "queue_p50_s", 1000), ("preempt", "preempted", 1), ("prefix hit", "prefix_hit_rate", 100), ("KV peak", "kv_peak_blocks", 1), ("busy seat-steps", "busy_seat_steps", 1)]
+    columns += [
+        ("queue p50", "queue_p50_s", 1000),
+        ("preempt", "preempted", 1),
+        ("prefix hit", "prefix_hit_rate", 100),
+        ("KV peak", "kv_peak_blocks", 1),
+        ("busy seat-steps", "busy_seat_steps", 1),
+    ]
     head = f"{'mode':22s}" + "".join(f"{label:>11s}" for label, _, _ in columns)
     lines = [head, "(latencies in ms, prefix hit in %)"]
     for mode, row in rows.items():
@@ -73,22 +87,47 @@ def _row(run: ModeRun, slo: Slo) -> dict[str, Any]:
 @click.option("--scenario", type=click.Choice(["seeds", "poisson"]), default="seeds", show_default=True)
 @click.option("--rate", type=float, default=2.0, show_default=True, help="Poisson arrivals per second.")
 @click.option("--num-requests", type=int, default=32, show_default=True)
-@click.option("--prompt-len", default="lognormal:150,0.6", show_default=True, help="fixed:N | uniform:A-B | lognormal:MEDIAN,SIGMA (words)")
+@click.option(
+    "--prompt-len",
+    default="lognormal:150,0.6",
+    show_default=True,
+    help="fixed:N | uniform:A-B | lognormal:MEDIAN,SIGMA (words)",
+)
 @click.option("--output-len", default="lognormal:60,0.8", show_default=True)
-@click.option("--dataset", type=click.Path(path_type=Path, exists=True), default=None, help="JSONL with prompt, max_tokens.")
+@click.option(
+    "--dataset", type=click.Path(path_type=Path, exists=True), default=None, help="JSONL with prompt, max_tokens."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--compare", default="guaranteed_no_evict", show_default=True, help=f"Comma list of {','.join(MODE_OPTIONS)}.")
+@click.option(
+    "--compare", default="guaranteed_no_evict", show_default=True, help=f"Comma list of {','.join(MODE_OPTIONS)}."
+)
 @click.option("--max-batch-size", type=int, default=None)
 @click.option("--max-num-tokens", type=int, default=None)
 @click.option("--slo", default=None, help="Goodput SLO, e.g. ttft=1.5,itl=0.1 (seconds).")
-@click.option("--time-limit", type=float, default=600.0, show_default=True, help="Seconds per mode; the rest is aborted.")
+@click.option(
+    "--time-limit", type=float, default=600.0, show_default=True, help="Seconds per mode; the rest is aborted."
+)
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Write a JSON record.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Folder for PNG plots.")
 @click.option("--trace", type=click.Path(path_type=Path), default=None, help="Chrome trace JSON (one file per mode).")
 def bench(
-    target: str | None, url: str | None, scenario: str, rate: float, num_requests: int, prompt_len: str, output_len: str,
-    dataset: Path | None, seed: int, compare: str, max_batch_size: int | None, max_num_tokens: int | None, slo: str | None,
-    time_limit: float, output: Path | None, plot: Path | None, trace: Path | None,
+    target: str | None,
+    url: str | None,
+    scenario: str,
+    rate: float,
+    num_requests: int,
+    prompt_len: str,
+    output_len: str,
+    dataset: Path | None,
+    seed: int,
+    compare: str,
+    max_batch_size: int | None,
+    max_num_tokens: int | None,
+    slo: str | None,
+    time_limit: float,
+    output: Path | None,
+    plot: Path | None,
+    trace: Path | None,
 ) -> None:
     """Measure TARGET (engine folder or SOURCE, in-process) or --url under a workload."""
     try:
@@ -101,9 +140,20 @@ def bench(
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     runs: list[ModeRun] = []
-    record: dict[str, Any] = {"machine": {"platform": platform.platform(), "processor": platform.processor()}, "git_revision": _git_revision(),
-                              "workload": {"scenario": scenario, "dataset": str(dataset) if dataset else None, "rate": rate, "num_requests": len(workload), "seed": seed}}
-    with tqdm(total=len(workload) * (1 if url else len(modes)), desc="requests", file=click.get_text_stream("stderr")) as bar:
+    record: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "git_revision": _git_revision(),
+        "workload": {
+            "scenario": scenario,
+            "dataset": str(dataset) if dataset else None,
+            "rate": rate,
+            "num_requests": len(workload),
+            "seed": seed,
+        },
+    }
+    with tqdm(
+        total=len(workload) * (1 if url else len(modes)), desc="requests", file=click.get_text_stream("stderr")
+    ) as bar:
         if url:
             try:
                 runs.append(run_against_url(url, workload, time_limit, bar.update))
@@ -117,7 +167,9 @@ def bench(
             engine = find_or_build_engine(target, BuildOptions())
             config = load_engine_config(engine, verify=False)
             record["engine"] = {"folder": str(engine), "limits": config.limits.to_json(), "dtype": config.dtype}
-            options = {k: v for k, v in {"max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}.items() if v}
+            options = {
+                k: v for k, v in {"max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}.items() if v
+            }
             record["runtime"] = options
             for mode in modes:
                 runs.append(run_in_process(Path(engine), mode, workload, options, time_limit, bar.update, trace))

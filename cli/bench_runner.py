@@ -41,8 +41,13 @@ class ModeRun:
 
 
 def run_in_process(
-    engine: Path, mode: str, workload: Sequence[BenchRequest], options: dict[str, Any], time_limit_s: float,
-    progress: Progress, trace: Path | None = None,
+    engine: Path,
+    mode: str,
+    workload: Sequence[BenchRequest],
+    options: dict[str, Any],
+    time_limit_s: float,
+    progress: Progress,
+    trace: Path | None = None,
 ) -> ModeRun:
     from ifb import LLM, SamplingParams
 
@@ -91,7 +96,9 @@ def run_in_process(
                 break
         wall = time.perf_counter() - start
         llm.executor.step_listeners.remove(steps.append)
-        run = ModeRun(mode, timings, wall, steps, finish_times, llm.stats(), llm.config.max_batch_size, llm.config.num_kv_blocks)
+        run = ModeRun(
+            mode, timings, wall, steps, finish_times, llm.stats(), llm.config.max_batch_size, llm.config.num_kv_blocks
+        )
         if recorder is not None and trace is not None:
             recorder.write(trace.with_name(f"{trace.stem}-{mode}{trace.suffix}") if mode else trace)
     return run
@@ -109,11 +116,20 @@ def check_loopback(url: str) -> None:
     raise ValueError(f"--url must point at this machine (loopback), got host {host!r}")
 
 
-async def _one_http(client: Any, url: str, model: str, request: BenchRequest, start: float, timing: RequestTiming, progress: Progress) -> None:
+async def _one_http(
+    client: Any, url: str, model: str, request: BenchRequest, start: float, timing: RequestTiming, progress: Progress
+) -> None:
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     timing.arrival = time.perf_counter()
-    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -146,7 +162,9 @@ def run_against_url(url: str, workload: Sequence[BenchRequest], time_limit_s: fl
             model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
             timings = [RequestTiming(arrival=0.0) for _ in workload]
             start = time.perf_counter()
-            tasks = [_one_http(client, url, model, r, start, t, progress) for r, t in zip(workload, timings, strict=True)]
+            tasks = [
+                _one_http(client, url, model, r, start, t, progress) for r, t in zip(workload, timings, strict=True)
+            ]
             try:
                 await asyncio.wait_for(asyncio.gather(*tasks), timeout=time_limit_s)
             except TimeoutError:

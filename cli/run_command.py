@@ -32,8 +32,11 @@ def _stream_prompt(llm: object, prompt: str, max_tokens: int, temperature: float
         last = output
     sys.stdout.write("\n")
     if last is not None:
-        click.echo(f"[{last.finish_reason.value if last.finish_reason else '?'}, {last.num_output_tokens} tokens, "
-                   f"TTFT {1000 * (last.ttft_s or 0):.0f} ms, {last.e2e_s or 0:.2f} s]", err=True)
+        click.echo(
+            f"[{last.finish_reason.value if last.finish_reason else '?'}, {last.num_output_tokens} tokens, "
+            f"TTFT {1000 * (last.ttft_s or 0):.0f} ms, {last.e2e_s or 0:.2f} s]",
+            err=True,
+        )
 
 
 @click.command()
@@ -44,7 +47,12 @@ def _stream_prompt(llm: object, prompt: str, max_tokens: int, temperature: float
 @click.option("--max-num-tokens", type=int, default=None, help="Tokens per step (<= the engine's).")
 @click.option("--max-queued-requests", type=int, default=64, show_default=True)
 @click.option("--queue-timeout", type=float, default=None, help="Seconds a request may wait before a 429.")
-@click.option("--policy", type=click.Choice([p.value for p in CapacityPolicyKind]), default="guaranteed_no_evict", show_default=True)
+@click.option(
+    "--policy",
+    type=click.Choice([p.value for p in CapacityPolicyKind]),
+    default="guaranteed_no_evict",
+    show_default=True,
+)
 @click.option("--chunking", type=click.Choice([c.value for c in ChunkingPolicyKind]), default="fcfs", show_default=True)
 @click.option("--enable-prefix-reuse/--no-enable-prefix-reuse", default=True, show_default=True)
 @click.option("--default-max-tokens", type=int, default=512, show_default=True, help="For requests without max_tokens.")
@@ -113,7 +121,9 @@ def run(
         # loop quickly after the event loop has streamed the step's tokens.
         sys.setswitchinterval(0.0005)
         app = create_app(llm, api_key=api_key, queue_timeout=queue_timeout)
-        logger.info("serving %s on http://%s:%d (max_batch_size %d)", llm.model_name, host, port, llm.config.max_batch_size)
+        logger.info(
+            "serving %s on http://%s:%d (max_batch_size %d)", llm.model_name, host, port, llm.config.max_batch_size
+        )
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         llm.close()

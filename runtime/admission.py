@@ -7,7 +7,9 @@ import threading
 from ifb.runtime.errors import AdmissionError, QueueFullError
 
 
-def check_prompt(num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int, max_blocks: int, block_size: int) -> None:
+def check_prompt(
+    num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int, max_blocks: int, block_size: int
+) -> None:
     """Refuse what can never run; names the field and both numbers."""
     if num_prompt_tokens == 0:
         raise AdmissionError("prompt is empty", field="prompt")
@@ -45,8 +47,7 @@ class AdmissionGate:
             with self._lock:
                 self.refused += 1
             raise QueueFullError(
-                f"server is full: {self.capacity} requests (max_batch_size + max_queued_requests) "
-                "are running or queued"
+                f"server is full: {self.capacity} requests (max_batch_size + max_queued_requests) are running or queued"
             )
 
     def release(self) -> None:

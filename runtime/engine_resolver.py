@@ -63,9 +63,20 @@ def build_in_subprocess(target: str | Path | None, output: Path, options: BuildO
     builder's (see executor.py) and none of its memory."""
     command = [sys.executable, "-m", "ifb.cli.main", "build"] + ([str(target)] if target is not None else [])
     command += [
-        "--max-batch-size", str(options.max_batch_size), "--max-num-tokens", str(options.max_num_tokens),
-        "--max-seq-len", str(options.max_seq_len), "--block-size", str(options.block_size),
-        "--dtype", options.dtype, "--backend", options.backend.value, "-o", str(output),
+        "--max-batch-size",
+        str(options.max_batch_size),
+        "--max-num-tokens",
+        str(options.max_num_tokens),
+        "--max-seq-len",
+        str(options.max_seq_len),
+        "--block-size",
+        str(options.block_size),
+        "--dtype",
+        options.dtype,
+        "--backend",
+        options.backend.value,
+        "-o",
+        str(output),
     ]
     if options.kv_blocks is not None:
         command += ["--kv-blocks", str(options.kv_blocks)]

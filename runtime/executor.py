@@ -42,7 +42,6 @@ StepListener = Callable[["StepRecord"], None]
 _SUMMARY_INTERVAL_S = 5.0
 
 
-
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One iteration, for traces and metrics."""
@@ -288,7 +287,8 @@ class Executor:
             prefill_ids=tuple(
                 item.request_id
                 for item in batch.requests
-                if item.num_new_tokens > 1 or (item.request_id in requests and requests[item.request_id].num_output_tokens == 0)
+                if item.num_new_tokens > 1
+                or (item.request_id in requests and requests[item.request_id].num_output_tokens == 0)
             ),
             num_used_blocks=self.scheduler.kv.num_used_blocks,
         )

@@ -104,7 +104,9 @@ class GrammarCompiler:
         try:
             compiled = future.result(timeout=timeout_s)
         except FutureTimeout:
-            raise AdmissionError(f"{guide.field}: the constraint did not compile within {timeout_s:.0f}s", field=guide.field) from None
+            raise AdmissionError(
+                f"{guide.field}: the constraint did not compile within {timeout_s:.0f}s", field=guide.field
+            ) from None
         except Exception as error:  # xgrammar reports parse errors as RuntimeError/ValueError
             message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise AdmissionError(f"{guide.field}: invalid {guide.kind.value}: {message}", field=guide.field) from None

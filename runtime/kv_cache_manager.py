@@ -169,7 +169,9 @@ class KVCacheManager:
             assert block.ref_count == expected[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != {expected[block.block_id]} references"
             )
-            assert (block.ref_count == 0) == (block.block_id in self._free), f"block {block.block_id} free-list mismatch"
+            assert (block.ref_count == 0) == (block.block_id in self._free), (
+                f"block {block.block_id} free-list mismatch"
+            )
         used = sum(1 for b in self.blocks if b.ref_count > 0)
         assert used + len(self._free) == self.num_blocks, "free + used != total"
         for block_hash, block_id in self._cached.items():

@@ -125,7 +125,9 @@ class LLM:
         """Validate against the engine's limits; raises AdmissionError naming the field."""
         limits = self.engine_config.limits
         params.check_vocab(self.engine_config.spec.vocab_size)
-        check_prompt(len(prompt_token_ids), params.max_tokens, limits.max_seq_len, self.config.num_kv_blocks, limits.block_size)
+        check_prompt(
+            len(prompt_token_ids), params.max_tokens, limits.max_seq_len, self.config.num_kv_blocks, limits.block_size
+        )
         room = limits.max_seq_len - len(prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -245,7 +247,9 @@ class LLM:
         return streams
 
     @staticmethod
-    def _threadsafe_put(loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[RequestOutput]) -> Callable[[RequestOutput], None]:
+    def _threadsafe_put(
+        loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[RequestOutput]
+    ) -> Callable[[RequestOutput], None]:
         def put(output: RequestOutput) -> None:
             loop.call_soon_threadsafe(inbox.put_nowait, output)
 

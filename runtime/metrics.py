@@ -33,7 +33,10 @@ class _SchedulerCollector(Collector):
             "ifb:prompt_tokens": ("Prompt tokens computed.", stats["prompt_tokens"]),
             "ifb:generation_tokens": ("Tokens generated.", stats["generation_tokens"]),
             "ifb:num_preemptions": ("Requests preempted (max_utilization).", stats["preempted"]),
-            "ifb:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats["prefix_cache_queried_tokens"]),
+            "ifb:prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache.",
+                stats["prefix_cache_queried_tokens"],
+            ),
             "ifb:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats["prefix_cache_hit_tokens"]),
             "ifb:request_rejected": ("Requests refused with 429 (server full or queue timeout).", stats["refused"]),
         }
@@ -46,10 +49,21 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(llm))
         r = self.registry
-        self.ttft = Histogram("ifb:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("ifb:inter_token_latency_seconds", "Mean time between tokens, per request.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("ifb:e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("ifb:request_queue_time_seconds", "Arrival to admission.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "ifb:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "ifb:inter_token_latency_seconds",
+            "Mean time between tokens, per request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ifb:e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "ifb:request_queue_time_seconds", "Arrival to admission.", buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.finished = Counter("ifb:request_success", "Finished requests by reason.", ["finished_reason"], registry=r)
         llm.executor.finish_listeners.append(self.on_finish)
 

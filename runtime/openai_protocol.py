@@ -63,7 +63,9 @@ class _Common(BaseModel):
                 given.append(GuidedDecoding.json_object())
             else:
                 if rf.json_schema is None or "schema" not in rf.json_schema:
-                    raise AdmissionError("response_format.json_schema.schema is required for type json_schema", field="response_format")
+                    raise AdmissionError(
+                        "response_format.json_schema.schema is required for type json_schema", field="response_format"
+                    )
                 given.append(GuidedDecoding.json_schema(rf.json_schema["schema"], field="response_format"))
         if self.guided_json is not None:
             given.append(GuidedDecoding.json_schema(self.guided_json))
@@ -74,7 +76,10 @@ class _Common(BaseModel):
         if self.guided_choice is not None:
             given.append(GuidedDecoding.choice(self.guided_choice))
         if len(given) > 1:
-            raise AdmissionError("give at most one of response_format, guided_json, guided_regex, guided_grammar, guided_choice", field=given[1].field)
+            raise AdmissionError(
+                "give at most one of response_format, guided_json, guided_regex, guided_grammar, guided_choice",
+                field=given[1].field,
+            )
         return given[0] if given else None
 
     def logprobs_count(self) -> int | None:

@@ -44,9 +44,9 @@ class RequestTimes:
 class Request:
     """Known tokens are `token_ids` (prompt, then outputs); prefill vs decode is derived, never stored.
 
-        token_ids:  [ p0 p1 ... p(n-1) | o0 o1 ... ]
-                      ^^^^^^^^^^^^^^^^^^^^^^^           num_computed_tokens (K/V in the pool)
-        tokens to compute this step = num_tokens - num_computed_tokens (1 while decoding)
+    token_ids:  [ p0 p1 ... p(n-1) | o0 o1 ... ]
+                  ^^^^^^^^^^^^^^^^^^^^^^^           num_computed_tokens (K/V in the pool)
+    tokens to compute this step = num_tokens - num_computed_tokens (1 while decoding)
     """
 
     request_id: str

@@ -61,7 +61,9 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
 class Sampler:
     """Turns [R, vocab] logits of R sampling requests into one token each."""
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request], bitmask: torch.Tensor | None = None) -> SampleResult:
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[Request], bitmask: torch.Tensor | None = None
+    ) -> SampleResult:
         """`bitmask` (xgrammar's int32 layout) constrains the guided rows; others are untouched."""
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in requests) else None
         logits = logits.clone()

@@ -89,5 +89,9 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary."""
         for token in list(self.logit_bias) + list(self.stop_token_ids):
-            _check(token < vocab_size, "logit_bias" if token in self.logit_bias else "stop_token_ids",
-                   f"token ids < vocab size {vocab_size}", token)
+            _check(
+                token < vocab_size,
+                "logit_bias" if token in self.logit_bias else "stop_token_ids",
+                f"token ids < vocab size {vocab_size}",
+                token,
+            )

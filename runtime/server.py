@@ -34,8 +34,16 @@ class QueueTimeoutError(QueueFullError):
     pass
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_exceeded"}.get(status, "server_error")
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_exceeded",
+    }.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -68,7 +76,9 @@ async def _with_queue_timeout(
         yield output
 
 
-def create_app(llm: LLM, *, api_key: str | None = None, queue_timeout: float | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
+def create_app(
+    llm: LLM, *, api_key: str | None = None, queue_timeout: float | None = None, max_body_bytes: int = 4 << 20
+) -> FastAPI:
     app = FastAPI(title="ifb", version="0.1.0")
     metrics = Metrics(llm)
     model_id = llm.model_name
@@ -81,7 +91,9 @@ def create_app(llm: LLM, *, api_key: str | None = None, queue_timeout: float | N
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:
         # FastAPI's own refusals (e.g. a body that is not UTF-8) in OpenAI's error shape.
-        return error_response(error.status_code, f"request body: {error.detail}", param="body" if error.status_code == 400 else None)
+        return error_response(
+            error.status_code, f"request body: {error.detail}", param="body" if error.status_code == 400 else None
+        )
 
     @app.exception_handler(AdmissionError)
     async def on_admission(_: Request, error: AdmissionError) -> JSONResponse:
@@ -106,7 +118,18 @@ def create_app(llm: LLM, *, api_key: str | None = None, queue_timeout: float | N
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ifb", "max_model_len": llm.engine_config.limits.max_seq_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_id,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "ifb",
+                    "max_model_len": llm.engine_config.limits.max_seq_len,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -120,8 +143,14 @@ def create_app(llm: LLM, *, api_key: str | None = None, queue_timeout: float | N
         prompt = await asyncio.to_thread(llm.apply_chat_template, body.chat_messages())
         return await _respond(raw, body, [prompt], chat=True)
 
-    async def _respond(raw: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], chat: bool) -> Response:
-        jobs = [(p_index * body.n + j, prompt, body.sampling_params(j)) for p_index, prompt in enumerate(prompts) for j in range(body.n)]
+    async def _respond(
+        raw: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], chat: bool
+    ) -> Response:
+        jobs = [
+            (p_index * body.n + j, prompt, body.sampling_params(j))
+            for p_index, prompt in enumerate(prompts)
+            for j in range(body.n)
+        ]
         opened = llm.open_streams([(prompt, params) for _, prompt, params in jobs], block=False)
         streams = [_with_queue_timeout(llm, s, queue_timeout) for s in opened]
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -180,13 +209,28 @@ def create_app(llm: LLM, *, api_key: str | None = None, queue_timeout: float | N
 
 
 _SCHEDULING_KEYS = (
-    "submitted", "completed", "cancelled", "failed", "refused", "admitted_mid_flight", "preempted",
-    "stalls_no_capacity", "stalls_token_budget", "stalls_batch_full",
-    "queue_latency_avg_us", "queue_latency_max_us", "queued", "resident",
+    "submitted",
+    "completed",
+    "cancelled",
+    "failed",
+    "refused",
+    "admitted_mid_flight",
+    "preempted",
+    "stalls_no_capacity",
+    "stalls_token_budget",
+    "stalls_batch_full",
+    "queue_latency_avg_us",
+    "queue_latency_max_us",
+    "queued",
+    "resident",
 )
 _KV_KEYS = (
-    "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached",
-    "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+    "kv_blocks_total",
+    "kv_blocks_free",
+    "kv_blocks_used",
+    "kv_blocks_cached",
+    "prefix_cache_queried_tokens",
+    "prefix_cache_hit_tokens",
 )
 
 
@@ -211,7 +255,9 @@ class _GuardMiddleware:
                 refusal = error_response(401, "missing or invalid API key (Authorization: Bearer KEY)")
             length = headers.get("content-length", "")
             if length.isdigit() and int(length) > self.max_body_bytes:
-                refusal = error_response(413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}")
+                refusal = error_response(
+                    413, f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}"
+                )
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
@@ -251,8 +297,21 @@ def _logprobs_block(outputs: list[RequestOutput], chat: bool, llm_decode: Any = 
     if not entries:
         return None
     if chat:
-        return {"content": [{"token": str(e.token_id), "logprob": e.logprob, "top_logprobs": [{"token": str(t), "logprob": v} for t, v in e.top.items()]} for e in entries]}
-    return {"tokens": [str(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries], "top_logprobs": [{str(t): v for t, v in e.top.items()} for e in entries]}
+        return {
+            "content": [
+                {
+                    "token": str(e.token_id),
+                    "logprob": e.logprob,
+                    "top_logprobs": [{"token": str(t), "logprob": v} for t, v in e.top.items()],
+                }
+                for e in entries
+            ]
+        }
+    return {
+        "tokens": [str(e.token_id) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{str(t): v for t, v in e.top.items()} for e in entries],
+    }
 
 
 def _usage(jobs: list[tuple[int, list[int], SamplingParams]], results: list[list[RequestOutput]]) -> dict[str, int]:
@@ -261,14 +320,23 @@ def _usage(jobs: list[tuple[int, list[int], SamplingParams]], results: list[list
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def _final_body(response_id: str, created: int, model: str, chat: bool, jobs: list, results: list[list[RequestOutput]], body: Any) -> dict[str, Any]:
+def _final_body(
+    response_id: str, created: int, model: str, chat: bool, jobs: list, results: list[list[RequestOutput]], body: Any
+) -> dict[str, Any]:
     choices = []
     for (index, _, params), outputs in zip(jobs, results, strict=True):
         text = "".join(o.new_text for o in outputs)
         reason = outputs[-1].finish_reason.value if outputs and outputs[-1].finish_reason else None
         logprobs = _logprobs_block(outputs, chat) if params.logprobs is not None else None
         if chat:
-            choices.append({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": logprobs})
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason,
+                    "logprobs": logprobs,
+                }
+            )
         else:
             choices.append({"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs})
     return {
@@ -281,7 +349,16 @@ def _final_body(response_id: str, created: int, model: str, chat: bool, jobs: li
     }
 
 
-async def _sse(response_id: str, created: int, model: str, chat: bool, jobs: list, streams: list[AsyncIterator[RequestOutput]], first: list[RequestOutput | None], body: Any) -> AsyncIterator[str]:
+async def _sse(
+    response_id: str,
+    created: int,
+    model: str,
+    chat: bool,
+    jobs: list,
+    streams: list[AsyncIterator[RequestOutput]],
+    first: list[RequestOutput | None],
+    body: Any,
+) -> AsyncIterator[str]:
     queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
     collected: list[list[RequestOutput]] = [[] for _ in jobs]
 
@@ -297,7 +374,17 @@ async def _sse(response_id: str, created: int, model: str, chat: bool, jobs: lis
     try:
         if chat:
             for index, _, _ in jobs:
-                yield _event({"id": response_id, "object": kind, "created": created, "model": model, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+                yield _event(
+                    {
+                        "id": response_id,
+                        "object": kind,
+                        "created": created,
+                        "model": model,
+                        "choices": [
+                            {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        ],
+                    }
+                )
         remaining = len(jobs)
         while remaining:
             i, output = await queue.get()
@@ -315,7 +402,16 @@ async def _sse(response_id: str, created: int, model: str, chat: bool, jobs: lis
                 choice["text"] = output.new_text
             yield _event({"id": response_id, "object": kind, "created": created, "model": model, "choices": [choice]})
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield _event({"id": response_id, "object": kind, "created": created, "model": model, "choices": [], "usage": _usage(jobs, collected)})
+            yield _event(
+                {
+                    "id": response_id,
+                    "object": kind,
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage(jobs, collected),
+                }
+            )
         yield "data: [DONE]\n\n"
     finally:  # client gone or done: stop the pumps, which aborts unfinished requests
         for task in tasks:

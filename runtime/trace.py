@@ -36,7 +36,12 @@ class TraceRecorder:
             "tid": 0,
             "ts": step.start * 1e6,
             "dur": (step.end - step.start) * 1e6,
-            "args": {"tokens": step.num_tokens, "requests": step.num_requests, "prefills": len(step.prefill_ids), "kv_blocks_used": step.num_used_blocks},
+            "args": {
+                "tokens": step.num_tokens,
+                "requests": step.num_requests,
+                "prefills": len(step.prefill_ids),
+                "kv_blocks_used": step.num_used_blocks,
+            },
         }
         with self._lock:
             self.events.append(event)

@@ -83,7 +83,9 @@ def write_hf_checkpoint(folder: Path, architecture: str = "llama", seed: int = 0
 def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """The Q/K row order llama.cpp's converter writes (transformers' GGUF loader undoes it)."""
     rows = weights.shape[0]
-    return weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    )
 
 
 def write_gguf(path: Path, hf_folder: Path) -> Path:

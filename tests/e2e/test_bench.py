@@ -13,12 +13,30 @@ from ifb.cli.main import cli
 def test_compare_static_and_in_flight_with_plots_and_trace(tiny_llama_engine: Path, tmp_path: Path) -> None:
     dataset = tmp_path / "load.jsonl"
     lengths = [4, 6, 8, 10, 60, 80, 5, 7, 9, 70, 3, 50]
-    dataset.write_text("\n".join(json.dumps({"prompt": f"hello world number {i}", "max_tokens": n}) for i, n in enumerate(lengths)))
-    result = CliRunner().invoke(cli, [
-        "bench", str(tiny_llama_engine), "--dataset", str(dataset), "--compare", "static_batch,guaranteed_no_evict",
-        "--max-batch-size", "4", "--slo", "ttft=5,itl=1", "--output", str(tmp_path / "record.json"),
-        "--plot", str(tmp_path / "plots"), "--trace", str(tmp_path / "trace.json"),
-    ])
+    dataset.write_text(
+        "\n".join(json.dumps({"prompt": f"hello world number {i}", "max_tokens": n}) for i, n in enumerate(lengths))
+    )
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            str(tiny_llama_engine),
+            "--dataset",
+            str(dataset),
+            "--compare",
+            "static_batch,guaranteed_no_evict",
+            "--max-batch-size",
+            "4",
+            "--slo",
+            "ttft=5,itl=1",
+            "--output",
+            str(tmp_path / "record.json"),
+            "--plot",
+            str(tmp_path / "plots"),
+            "--trace",
+            str(tmp_path / "trace.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "record.json").read_text())
     static, inflight = record["results"]["static_batch"], record["results"]["guaranteed_no_evict"]

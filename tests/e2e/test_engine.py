@@ -24,8 +24,12 @@ def prompts(vocab: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("engine_fixture,hf_fixture", [("tiny_llama_engine", "tiny_llama_dir"), ("tiny_qwen2_engine", "tiny_qwen2_dir")])
-def test_reference_network_matches_transformers(engine_fixture: str, hf_fixture: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    "engine_fixture,hf_fixture", [("tiny_llama_engine", "tiny_llama_dir"), ("tiny_qwen2_engine", "tiny_qwen2_dir")]
+)
+def test_reference_network_matches_transformers(
+    engine_fixture: str, hf_fixture: str, request: pytest.FixtureRequest
+) -> None:
     """Prefill logits and several decode steps of the reference path equal HF on scattered blocks."""
     engine = Engine.load(request.getfixturevalue(engine_fixture), StepMode.REFERENCE)
     hf = hf_model(request.getfixturevalue(hf_fixture))
@@ -101,9 +105,15 @@ def test_mixed_step_logits_equal_each_request_alone(tiny_llama_engine: Path) -> 
 
 @pytest.mark.parametrize(
     "engine_fixture,hf_fixture",
-    [("tiny_llama_engine", "tiny_llama_dir"), ("tiny_qwen2_engine", "tiny_qwen2_dir"), ("tiny_gguf_engine", "tiny_llama_dir")],
+    [
+        ("tiny_llama_engine", "tiny_llama_dir"),
+        ("tiny_qwen2_engine", "tiny_qwen2_dir"),
+        ("tiny_gguf_engine", "tiny_llama_dir"),
+    ],
 )
-def test_compiled_greedy_equals_transformers_generate(engine_fixture: str, hf_fixture: str, request: pytest.FixtureRequest) -> None:
+def test_compiled_greedy_equals_transformers_generate(
+    engine_fixture: str, hf_fixture: str, request: pytest.FixtureRequest
+) -> None:
     """Token-for-token equality with HF greedy generate, prefill whole and in chunks."""
     engine = Engine.load(request.getfixturevalue(engine_fixture), StepMode.COMPILED)
     hf = hf_model(request.getfixturevalue(hf_fixture))

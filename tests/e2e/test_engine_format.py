@@ -25,7 +25,13 @@ def engine_copy(tiny_llama_engine: Path, tmp_path: Path) -> Path:
 
 def test_engine_json_records_limits_and_hashes(tiny_llama_engine: Path) -> None:
     record = json.loads((tiny_llama_engine / "engine.json").read_text())
-    assert record["limits"] == {"max_batch_size": 8, "max_num_tokens": 64, "max_seq_len": 256, "block_size": 16, "num_kv_blocks": 48}
+    assert record["limits"] == {
+        "max_batch_size": 8,
+        "max_num_tokens": 64,
+        "max_seq_len": 256,
+        "block_size": 16,
+        "num_kv_blocks": 48,
+    }
     assert record["backend"] == "cpu" and record["dtype"] == "float32" and record["format_version"] == 1
     assert {"step.pt2", "weights.safetensors", "tokenizer/tokenizer.json"} <= set(record["artifacts"])
     assert len(record["source"]["sha256"]) == 64 and record["tokenizer"]["has_chat_template"]
@@ -58,7 +64,12 @@ def test_runtime_may_lower_but_never_raise_a_limit(tiny_llama_engine: Path) -> N
     with pytest.raises(LimitExceededError) as error:
         LLM(tiny_llama_engine, max_batch_size=16)
     message = str(error.value)
-    assert "max_batch_size 16" in message and "max_batch_size=8" in message and "ifb build" in message and "--max-batch-size 16" in message
+    assert (
+        "max_batch_size 16" in message
+        and "max_batch_size=8" in message
+        and "ifb build" in message
+        and "--max-batch-size 16" in message
+    )
     with LLM(tiny_llama_engine, max_batch_size=2, max_num_tokens=32) as llm:
         assert (llm.config.max_batch_size, llm.config.max_num_tokens) == (2, 32)
 

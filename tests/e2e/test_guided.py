@@ -18,7 +18,11 @@ from ifb.runtime.request import FinishReason
 
 SCHEMA = {
     "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "mood": {"type": "string", "enum": ["calm", "busy"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "properties": {
+        "ok": {"type": "boolean"},
+        "mood": {"type": "string", "enum": ["calm", "busy"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["ok", "mood", "n"],
     "additionalProperties": False,
 }
@@ -28,7 +32,12 @@ GRAMMAR = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9]'
 
 
 def guides() -> list[GuidedDecoding]:
-    return [GuidedDecoding.json_schema(SCHEMA), GuidedDecoding.regex(REGEX), GuidedDecoding.choice(CHOICES), GuidedDecoding.grammar(GRAMMAR)]
+    return [
+        GuidedDecoding.json_schema(SCHEMA),
+        GuidedDecoding.regex(REGEX),
+        GuidedDecoding.choice(CHOICES),
+        GuidedDecoding.grammar(GRAMMAR),
+    ]
 
 
 def check(guide: GuidedDecoding, text: str) -> None:
@@ -64,7 +73,9 @@ def test_guided_and_plain_requests_share_one_batch(llm: LLM) -> None:
     alone = [llm.generate([p], s)[0].token_ids for p, s in plain]
     sizes: list[int] = []
     llm.executor.step_listeners.append(lambda step: sizes.append(step.num_requests))
-    guided = [([5, 6], SamplingParams(max_tokens=40, temperature=0.7, seed=i, guided=g)) for i, g in enumerate(guides())]
+    guided = [
+        ([5, 6], SamplingParams(max_tokens=40, temperature=0.7, seed=i, guided=g)) for i, g in enumerate(guides())
+    ]
     outputs = llm.generate([p for p, _ in guided + plain], [s for _, s in guided + plain])
     llm.executor.step_listeners.clear()
     assert max(sizes) == 8
@@ -77,7 +88,10 @@ def test_guided_and_plain_requests_share_one_batch(llm: LLM) -> None:
 
 def test_guided_output_survives_preemption(tiny_llama_engine: Path) -> None:
     with LLM(tiny_llama_engine, policy="max_utilization", kv_blocks=16) as small:
-        params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, guided=GuidedDecoding.json_schema(SCHEMA)) for s in range(8)]
+        params = [
+            SamplingParams(max_tokens=60, temperature=1.0, seed=s, guided=GuidedDecoding.json_schema(SCHEMA))
+            for s in range(8)
+        ]
         filler = [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)] * 4
         outputs = small.generate([[5] * 30] * 8 + [[9] * 30] * 4, params + filler)
         assert small.stats()["preempted"] > 0
@@ -104,13 +118,22 @@ def test_invalid_constraints_are_refused_before_taking_a_seat(llm: LLM, guide: G
 
 def test_http_response_format_and_guided_fields(tiny_llama_engine: Path) -> None:
     with LLM(tiny_llama_engine) as instance, running_server(instance) as base:
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "temperature": 0.8, "seed": 1,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 60,
+            "temperature": 0.8,
+            "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+        }
         reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
         jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), SCHEMA)
-        choice = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "guided_choice": CHOICES}, timeout=60).json()
+        choice = httpx.post(
+            base + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "guided_choice": CHOICES}, timeout=60
+        ).json()
         assert choice["choices"][0]["text"] in CHOICES
         bad = httpx.post(base + "/v1/completions", json={"prompt": "x", "guided_regex": "(unclosed"}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
-        both = httpx.post(base + "/v1/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, timeout=60)
+        both = httpx.post(
+            base + "/v1/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, timeout=60
+        )
         assert both.status_code == 400

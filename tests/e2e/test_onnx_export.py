@@ -42,11 +42,17 @@ def test_onnxruntime_matches_the_torch_reference_on_mixed_steps(tiny_llama_engin
 def test_onnx_dimensions_are_dynamic_and_bounded_by_the_baked_limits(tiny_llama_engine: Path, onnx_path: Path) -> None:
     model = onnx.load(str(onnx_path))
     limits = Engine.load(tiny_llama_engine, StepMode.REFERENCE).config.limits
-    bounds = {p.key.removeprefix("ifb.bounds."): tuple(json.loads(p.value)) for p in model.metadata_props if p.key.startswith("ifb.bounds.")}
+    bounds = {
+        p.key.removeprefix("ifb.bounds."): tuple(json.loads(p.value))
+        for p in model.metadata_props
+        if p.key.startswith("ifb.bounds.")
+    }
     assert bounds == dimension_bounds(limits)
     assert bounds["num_tokens"] == (1, limits.max_num_tokens) and bounds["num_decode"] == (0, limits.max_batch_size)
     shapes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
-    assert all(isinstance(d, str) for d in shapes["input_ids"] + shapes["context_query_rows"] + shapes["decode_block_tables"])
+    assert all(
+        isinstance(d, str) for d in shapes["input_ids"] + shapes["context_query_rows"] + shapes["decode_block_tables"]
+    )
     assert shapes["kv_pools_0"] == [limits.kv_pool_tokens, 2, 16]  # the pool is static: baked at build
 
 

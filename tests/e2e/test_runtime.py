@@ -106,7 +106,9 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_llama_en
     with LLM(tiny_llama_engine) as llm:
         alone = llm.generate([[11, 12, 13]], params)[0].token_ids
         crowd = [[20 + i, 30] for i in range(6)]
-        together = llm.generate([[11, 12, 13]] + crowd, [params] + [SamplingParams(max_tokens=20, temperature=1.3, ignore_eos=True)] * 6)
+        together = llm.generate(
+            [[11, 12, 13]] + crowd, [params] + [SamplingParams(max_tokens=20, temperature=1.3, ignore_eos=True)] * 6
+        )
         unseeded = llm.generate([[11, 12, 13]] * 4, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
     assert together[0].token_ids == alone
     assert len({o.token_ids for o in unseeded}) > 1
@@ -116,15 +118,21 @@ def test_stop_token_stop_string_and_logprobs(tiny_llama_engine: Path) -> None:
     with LLM(tiny_llama_engine) as llm:
         base = llm.generate([[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3))[0]
         assert len(base.logprobs) == 16 and all(len(lp.top) == 3 for lp in base.logprobs)
-        assert all(lp.logprob <= 0 and lp.token_id == tok for lp, tok in zip(base.logprobs, base.token_ids, strict=True))
+        assert all(
+            lp.logprob <= 0 and lp.token_id == tok for lp, tok in zip(base.logprobs, base.token_ids, strict=True)
+        )
         stop_at = base.token_ids[5]
         first = base.token_ids.index(stop_at)
-        by_id = llm.generate([[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)))[0]
+        by_id = llm.generate(
+            [[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,))
+        )[0]
         assert by_id.finish_reason is FinishReason.STOP and by_id.token_ids == base.token_ids[: first + 1]
         text = base.text
         stop = text[len(text) // 2 : len(text) // 2 + 3]
         if stop.strip():
-            by_str = llm.generate([[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=(stop,)))[0]
+            by_str = llm.generate(
+                [[40, 41]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=(stop,))
+            )[0]
             assert by_str.finish_reason is FinishReason.STOP
             assert by_str.text == text[: text.index(stop)] and stop not in by_str.text
 
@@ -162,7 +170,9 @@ def test_full_server_refuses_without_blocking(tiny_llama_engine: Path) -> None:
         for request_id in ids:
             llm.abort(request_id)
         deadline = time.time() + 10
-        while llm.stats()["resident"] or llm.stats()["queued"] or llm.stats()["cancelled"] + llm.stats()["completed"] < 3:
+        while (
+            llm.stats()["resident"] or llm.stats()["queued"] or llm.stats()["cancelled"] + llm.stats()["completed"] < 3
+        ):
             assert time.time() < deadline
             time.sleep(0.01)
         assert llm.stats()["kv_blocks_used"] == 0
@@ -176,12 +186,17 @@ def test_calls_from_several_threads_share_batches(tiny_llama_engine: Path) -> No
         results: dict[int, tuple[int, ...]] = {}
 
         def call(i: int) -> None:
-            results[i] = llm.generate([[20 + i, 21]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].token_ids
+            results[i] = llm.generate([[20 + i, 21]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[
+                0
+            ].token_ids
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        alone = {i: llm.generate([[20 + i, 21]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].token_ids for i in range(4)}
+        alone = {
+            i: llm.generate([[20 + i, 21]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].token_ids
+            for i in range(4)
+        }
     assert results == alone and max(sizes) >= 2

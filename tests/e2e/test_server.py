@@ -41,13 +41,17 @@ def test_streaming_equals_non_streaming_equals_python_api(server: tuple[str, LLM
     model = client.models.list().data[0].id
     common = dict(model=model, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     plain = client.completions.create(prompt="hello world", **common)
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(prompt="hello world", stream=True, **common))
+    streamed = "".join(
+        chunk.choices[0].text for chunk in client.completions.create(prompt="hello world", stream=True, **common)
+    )
     direct = llm.generate("hello world", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert plain.choices[0].text == streamed == direct.text
     assert plain.usage.completion_tokens == 12 and plain.choices[0].finish_reason == "length"
     messages = [{"role": "user", "content": "paged attention"}]
     chat = client.chat.completions.create(messages=messages, **common)
-    chat_stream = client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **common)
+    chat_stream = client.chat.completions.create(
+        messages=messages, stream=True, stream_options={"include_usage": True}, **common
+    )
     chunks = list(chat_stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
@@ -59,7 +63,11 @@ def test_concurrent_clients_share_batches(server: tuple[str, LLM]) -> None:
     results = []
 
     def call(i: int) -> None:
-        r = httpx.post(base + "/v1/completions", json={"prompt": [5 + i, 6], "max_tokens": 30 + i, "temperature": 0, "ignore_eos": True}, timeout=60)
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": [5 + i, 6], "max_tokens": 30 + i, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
         results.append(r.status_code)
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
@@ -91,6 +99,7 @@ def test_429_at_the_exact_limit_and_disconnect_frees_everything(tiny_llama_engin
     with running_server(llm) as base:
         body = {"prompt": [7, 8], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
         clients = [httpx.Client(timeout=30) for _ in range(4)]
+
         def post_quietly(client: httpx.Client) -> None:
             try:
                 client.post(base + "/v1/completions", json=body)
@@ -128,9 +137,14 @@ def test_queue_timeout_returns_429(tiny_llama_engine: Path) -> None:
     llm = LLM(tiny_llama_engine, max_batch_size=1, max_queued_requests=2)
     slow_down(llm, 0.01)
     with running_server(llm, queue_timeout=0.3) as base:
-        with httpx.Client(timeout=30) as holder, holder.stream(
-            "POST", base + "/v1/completions", json={"prompt": [5], "max_tokens": 250, "ignore_eos": True, "stream": True}
-        ) as held:
+        with (
+            httpx.Client(timeout=30) as holder,
+            holder.stream(
+                "POST",
+                base + "/v1/completions",
+                json={"prompt": [5], "max_tokens": 250, "ignore_eos": True, "stream": True},
+            ) as held,
+        ):
             lines = held.iter_lines()  # keep the iterator: dropping it closes the stream
             next(lines)
             started = time.time()
@@ -170,7 +184,9 @@ def test_bad_input_names_its_field(server: tuple[str, LLM], raw: bytes, field: s
 
 def test_oversized_body_is_413(server: tuple[str, LLM]) -> None:
     base, _ = server
-    response = httpx.post(base + "/v1/completions", content=b"x" * (5 << 20), headers={"content-type": "application/json"})
+    response = httpx.post(
+        base + "/v1/completions", content=b"x" * (5 << 20), headers={"content-type": "application/json"}
+    )
     assert response.status_code == 413
 
 
@@ -216,7 +232,9 @@ def test_non_streaming_disconnect_cancels_inside_the_engine(tiny_llama_engine: P
     slow_down(llm, 0.02)
     with running_server(llm) as base:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 240, "ignore_eos": True}, timeout=0.5)
+            httpx.post(
+                base + "/v1/completions", json={"prompt": [5], "max_tokens": 240, "ignore_eos": True}, timeout=0.5
+            )
         health = wait_idle(base)
         assert health["scheduling"]["cancelled"] == 1 and health["kv_cache"]["kv_blocks_used"] == 0
     llm.close()

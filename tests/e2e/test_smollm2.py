@@ -40,11 +40,15 @@ def test_first_32_greedy_tokens_equal_transformers(smollm2_engine: Path, hf_smol
     model, tokenizer = hf_smollm2
     engine = Engine.load(smollm2_engine, StepMode.COMPILED)
     for question in QUESTIONS:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         with torch.no_grad():
             ids = torch.tensor([prompt])
             # explicit mask: the prompt contains <|im_end|>, which is also SmolLM2's pad token
-            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None)
+            expected = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
+            )
             expected = expected[0, len(prompt) :].tolist()
         assert greedy_generate(engine, list(prompt), 32) == expected, question
 
@@ -74,9 +78,14 @@ def test_guided_json_on_smollm2_validates_across_seeds(smollm2_engine: Path) -> 
     }
     with LLM(smollm2_engine) as llm:
         prompt = llm.apply_chat_template([{"role": "user", "content": "Name a city and its country as JSON."}])
-        params = [SamplingParams(max_tokens=48, temperature=0.8, seed=s, guided=GuidedDecoding.json_schema(schema)) for s in range(4)]
+        params = [
+            SamplingParams(max_tokens=48, temperature=0.8, seed=s, guided=GuidedDecoding.json_schema(schema))
+            for s in range(4)
+        ]
         choice = SamplingParams(max_tokens=8, temperature=0, guided=GuidedDecoding.choice(["Paris", "London", "Rome"]))
-        outputs = llm.generate([prompt] * 4 + [llm.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])], params + [choice])
+        outputs = llm.generate(
+            [prompt] * 4 + [llm.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])], params + [choice]
+        )
     for output in outputs[:4]:
         jsonschema.validate(json.loads(output.text), schema)
     assert outputs[4].text == "Paris"

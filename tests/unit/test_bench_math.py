@@ -36,7 +36,9 @@ def test_bad_distribution_is_a_clear_error() -> None:
 
 def test_dataset_lines_need_prompt_and_max_tokens(tmp_path: Path) -> None:
     good = tmp_path / "good.jsonl"
-    good.write_text(json.dumps({"prompt": "hi", "max_tokens": 4}) + "\n\n" + json.dumps({"prompt": "yo", "max_tokens": 2}) + "\n")
+    good.write_text(
+        json.dumps({"prompt": "hi", "max_tokens": 4}) + "\n\n" + json.dumps({"prompt": "yo", "max_tokens": 2}) + "\n"
+    )
     assert [(r.prompt, r.max_tokens, r.arrival_s) for r in dataset_workload(good)] == [("hi", 4, 0.0), ("yo", 2, 0.0)]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "hi"}) + "\n")

@@ -10,7 +10,14 @@ from ifb.builder.limits import resolve_limits
 from ifb.builder.model_spec import model_spec_from_hf_config
 
 SPEC = model_spec_from_hf_config(
-    LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+    LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+    )
 )
 
 

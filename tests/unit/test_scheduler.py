@@ -56,7 +56,10 @@ def test_chunk_end_aligns_to_block_size_when_budget_is_uneven() -> None:
 
 def test_equal_progress_shares_the_budget() -> None:
     """Two long prompts both advance each step under equal_progress; FCFS serves the first."""
-    for chunking, expect_both in [(ChunkingPolicyKind.EQUAL_PROGRESS, True), (ChunkingPolicyKind.FIRST_COME_FIRST_SERVED, False)]:
+    for chunking, expect_both in [
+        (ChunkingPolicyKind.EQUAL_PROGRESS, True),
+        (ChunkingPolicyKind.FIRST_COME_FIRST_SERVED, False),
+    ]:
         s = make_scheduler(max_num_tokens=16, block_size=4, chunking=chunking)
         engine = FakeEngine(s)
         a, b = make_request(40, 1), make_request(40, 1)
@@ -142,9 +145,15 @@ def test_max_batch_size_limits_seats() -> None:
 @pytest.mark.parametrize("when", ["waiting", "prefill", "decode", "preempted"])
 def test_abort_in_every_state_frees_blocks(when: str) -> None:
     policy = CapacityPolicyKind.MAX_UTILIZATION if when == "preempted" else CapacityPolicyKind.GUARANTEED_NO_EVICT
-    s = make_scheduler(num_blocks=10, block_size=4, max_num_tokens=8, policy=policy, max_batch_size=2 if when == "waiting" else 8)
+    s = make_scheduler(
+        num_blocks=10, block_size=4, max_num_tokens=8, policy=policy, max_batch_size=2 if when == "waiting" else 8
+    )
     engine = FakeEngine(s)
-    blockers = [make_request(4, 20, arrival=-2.0), make_request(4, 20, arrival=-1.0)] if when in ("waiting", "preempted") else []
+    blockers = (
+        [make_request(4, 20, arrival=-2.0), make_request(4, 20, arrival=-1.0)]
+        if when in ("waiting", "preempted")
+        else []
+    )
     for r in blockers:
         s.add(r)
     target = make_request(20 if when == "prefill" else 4, 20)
@@ -156,7 +165,12 @@ def test_abort_in_every_state_frees_blocks(when: str) -> None:
     if when == "preempted":
         while target.num_preemptions == 0:
             engine.step()
-    expected_state = {"waiting": RequestState.WAITING, "prefill": RequestState.RUNNING, "decode": RequestState.RUNNING, "preempted": RequestState.PREEMPTED}[when]
+    expected_state = {
+        "waiting": RequestState.WAITING,
+        "prefill": RequestState.RUNNING,
+        "decode": RequestState.RUNNING,
+        "preempted": RequestState.PREEMPTED,
+    }[when]
     assert target.state is expected_state
     s.abort(target.request_id)
     assert target.finish_reason is FinishReason.ABORT and target.block_ids == []
@@ -171,13 +185,21 @@ def test_seeded_random_workload_keeps_invariants(policy: CapacityPolicyKind, chu
     """Hundreds of steps of random arrivals, lengths and aborts; integrity after every step
     (FakeEngine checks it), every request finished, every block back in the pool."""
     rng = random.Random(1234)
-    s = make_scheduler(num_blocks=40, block_size=4, max_batch_size=6, max_num_tokens=24, max_seq_len=128, policy=policy, chunking=chunking)
+    s = make_scheduler(
+        num_blocks=40,
+        block_size=4,
+        max_batch_size=6,
+        max_num_tokens=24,
+        max_seq_len=128,
+        policy=policy,
+        chunking=chunking,
+    )
     engine = FakeEngine(s)
     shared = [rng.randrange(100, 900) for _ in range(16)]
     everyone = []
     for _ in range(400):
         if rng.random() < 0.3:
-            prompt = (shared[: rng.choice([0, 8, 16])] + [rng.randrange(100, 900) for _ in range(rng.randint(1, 30))])
+            prompt = shared[: rng.choice([0, 8, 16])] + [rng.randrange(100, 900) for _ in range(rng.randint(1, 30))]
             r = make_request(0, rng.randint(1, 30), prompt=prompt)
             s.add(r)
             everyone.append(r)
