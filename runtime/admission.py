@@ -42,10 +42,11 @@ class AdmissionGate:
         self.refused = 0
         self._lock = threading.Lock()
 
-    def acquire(self, block: bool = True, timeout: float | None = None) -> None:
+    def acquire(self, block: bool = True, timeout: float | None = None, count_refusal: bool = True) -> None:
         if not self._semaphore.acquire(blocking=block, timeout=timeout if block else None):
-            with self._lock:
-                self.refused += 1
+            if count_refusal:
+                with self._lock:
+                    self.refused += 1
             raise QueueFullError(
                 f"server is full: {self.capacity} requests (max_batch_size + max_queued_requests) are running or queued"
             )

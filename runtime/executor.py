@@ -82,7 +82,6 @@ class Executor:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._stopping = threading.Event()
         self._loop: Future[None] | None = None
-        self.last_heartbeat = time.monotonic()
         self.step_in_progress_since: float | None = None
         self.step_listeners: list[StepListener] = []
         self.finish_listeners: list[Callable[[Request], None]] = []
@@ -126,7 +125,6 @@ class Executor:
         try:
             while not self._stopping.is_set():
                 self._take_inbox(block=not self.scheduler.has_work)
-                self.last_heartbeat = time.monotonic()
                 if self._stopping.is_set():
                     break
                 batch = self.scheduler.schedule()

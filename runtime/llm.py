@@ -221,7 +221,11 @@ class LLM:
 
     # -- async --------------------------------------------------------------------------------
     def open_streams(
-        self, jobs: Sequence[tuple[list[int], SamplingParams]], block: bool = True, timeout: float | None = None
+        self,
+        jobs: Sequence[tuple[list[int], SamplingParams]],
+        block: bool = True,
+        timeout: float | None = None,
+        count_refusal: bool = True,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Validate and enqueue several requests at once (all or none get a seat); returns one
         async iterator of deltas each. Call from a running event loop.
@@ -233,7 +237,7 @@ class LLM:
         taken = 0
         try:
             for _ in requests:
-                self.gate.acquire(block, timeout)
+                self.gate.acquire(block, timeout, count_refusal)
                 taken += 1
         except BaseException:
             for _ in range(taken):
@@ -274,10 +278,9 @@ class LLM:
         self.make_request(ids, params)  # validate before waiting for a seat
         while True:
             try:
-                (stream,) = self.open_streams([(ids, params)], block=False)
+                (stream,) = self.open_streams([(ids, params)], block=False, count_refusal=False)
                 break
-            except QueueFullError:
-                self.gate.refused -= 1  # waiting, not refusing
+            except QueueFullError:  # full: wait for a seat without blocking the event loop
                 await asyncio.sleep(0.01)
         async for output in stream:
             yield output

@@ -66,8 +66,6 @@ class Request:
     grammar_matcher: Any = None  # xgrammar matcher of a guided request; advanced by the executor
     num_preemptions: int = 0
     was_admitted_mid_flight: bool = False
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    sampled_logprobs: list[float] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -200,3 +200,19 @@ def test_calls_from_several_threads_share_batches(tiny_llama_engine: Path) -> No
             for i in range(4)
         }
     assert results == alone and max(sizes) >= 2
+
+
+def test_async_variants_equal_sync(tiny_llama_engine: Path) -> None:
+    import asyncio
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(tiny_llama_engine, max_batch_size=2, max_queued_requests=0) as llm:
+        expected = llm.generate([[30, 31]], params)[0]
+
+        async def main() -> list:
+            # 4 concurrent callers on 2 seats and no queue: extra async callers wait, not fail
+            return await asyncio.gather(*(llm.agenerate([30, 31], params) for _ in range(4)))
+
+        results = asyncio.run(main())
+        assert llm.stats()["refused"] == 0
+    assert all(r.token_ids == expected.token_ids and r.text == expected.text for r in results)
