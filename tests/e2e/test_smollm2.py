@@ -88,4 +88,4 @@ def test_guided_json_on_smollm2_validates_across_seeds(smollm2_engine: Path) -> 
         )
     for output in outputs[:4]:
         jsonschema.validate(json.loads(output.text), schema)
-    assert outputs[4].text == "Paris"
+    assert outputs[4].text in ("Paris", "London", "Rome")  # the constraint, not the model's geography
