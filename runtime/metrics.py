@@ -39,6 +39,11 @@ class _SchedulerCollector(Collector):
             ),
             "ifb:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats["prefix_cache_hit_tokens"]),
             "ifb:request_rejected": ("Requests refused with 429 (server full or queue timeout).", stats["refused"]),
+            "ifb:guided_requests": ("Requests with a guided-decoding constraint.", stats["guided_requests"]),
+            "ifb:grammar_compile_seconds": (
+                "Time spent compiling constraints.",
+                stats["grammar_compile_seconds_total"],
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -198,6 +198,7 @@ def create_app(
             },
             "scheduling": {k: stats[k] for k in _SCHEDULING_KEYS},
             "kv_cache": {k: stats[k] for k in _KV_KEYS},
+            "guided": {k: stats[k] for k in _GUIDED_KEYS},
         }
         return JSONResponse(body, status_code=200 if alive else 503)
 
@@ -224,6 +225,7 @@ _SCHEDULING_KEYS = (
     "queued",
     "resident",
 )
+_GUIDED_KEYS = ("guided_requests", "grammar_compile_seconds_total", "grammar_compile_seconds_max")
 _KV_KEYS = (
     "kv_blocks_total",
     "kv_blocks_free",

@@ -137,3 +137,6 @@ def test_http_response_format_and_guided_fields(tiny_llama_engine: Path) -> None
             base + "/v1/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, timeout=60
         )
         assert both.status_code == 400
+        guided = httpx.get(base + "/health").json()["guided"]
+        assert guided["guided_requests"] >= 2 and guided["grammar_compile_seconds_total"] > 0
+        assert "ifb:guided_requests_total" in httpx.get(base + "/metrics").text
