@@ -19,19 +19,6 @@ from ifb.builder.network import StepNetwork
 
 logger = logging.getLogger(__name__)
 
-STEP_INPUT_NAMES = (
-    "input_ids",
-    "positions",
-    "slot_mapping",
-    "context_query_rows",
-    "context_block_tables",
-    "decode_query_rows",
-    "decode_block_tables",
-    "decode_seq_lens",
-    "logits_indices",
-    "kv_pools",
-)
-
 # Sample sizes are distinct and >= 2 so export keeps every dimension symbolic.
 _T, _BC, _Q, _MC, _BD, _MD, _R = 11, 2, 4, 3, 5, 6, 7
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ifb.builder.compile_cpu import dynamic_shapes, kv_pool_views, sample_step_inputs
+from ifb.builder.compile_cpu import dynamic_shapes, sample_step_inputs
 from ifb.builder.limits import EngineLimits
 from ifb.builder.network import StepNetwork
 
@@ -90,6 +90,3 @@ def export_onnx(network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tens
         entry.key, entry.value = f"ifb.bounds.{name}", json.dumps([low, high])
     onnx.save(model, str(path))
     return path
-
-
-__all__ = ["dimension_bounds", "export_onnx", "kv_pool_views"]

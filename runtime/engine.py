@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from ifb.builder.build import TENSORRT_UNAVAILABLE
-from ifb.builder.compile_cpu import kv_pool_views
+from ifb.builder.compile_cpu import kv_pool_views, load_cpu_engine
 from ifb.builder.limits import kv_pool_shape
 from ifb.builder.network import FAST_OPS, REFERENCE_OPS, StepNetwork
 from ifb.runtime.engine_config import EngineConfig, load_engine_config
@@ -51,7 +51,7 @@ def _make_step(config: EngineConfig, mode: StepMode) -> StepFn:
     if mode is StepMode.COMPILED:
         if config.backend != "cpu":
             raise EngineFormatError(f"{config.folder} is a {config.backend} engine: {TENSORRT_UNAVAILABLE}")
-        return torch._inductor.aoti_load_package(str(config.step_package))
+        return load_cpu_engine(config.step_package)
     return load_network(config, reference_ops=mode is StepMode.REFERENCE)
 
 
