@@ -7,21 +7,19 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from ifb.builder.compile_cpu import compile_cpu_engine
+from ifb.builder.backends import Backend, compiler_for
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
 from ifb.builder.limits import (
     EngineLimits,
     kv_bytes_per_block,
     kv_pool_shape,
-    normalize_dtype,
     resolve_limits,
 )
 from ifb.builder.model_spec import model_spec_from_hf_config
@@ -31,19 +29,9 @@ from ifb.builder.sources import LoadedModel, load_model, resolve_source, source_
 logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = "0.1.0"
-STEP_PACKAGE = "step.pt2"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUILD_STAGES = ("load", "convert", "compile", "write")
-TENSORRT_UNAVAILABLE = (
-    "the tensorrt backend needs a CUDA GPU and the [tensorrt] extra (pip install -e '.[tensorrt]'); "
-    "this ifb builds and runs --backend cpu engines"
-)
-
-
-class Backend(str, Enum):
-    CPU = "cpu"
-    TENSORRT = "tensorrt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +85,11 @@ def save_weights(network: StepNetwork, inv_freq: torch.Tensor, path: Path) -> No
     save_file(state, str(path))
 
 
+def build_dtype(options: BuildOptions) -> str:
+    """The dtype `options` builds with on this machine (resolving `auto` per backend)."""
+    return compiler_for(options.backend).resolve_dtype(options.dtype)
+
+
 def build_engine(
     source: str | Path | None,
     output: Path,
@@ -104,11 +97,10 @@ def build_engine(
     on_stage: Callable[[str], None] = lambda stage: None,
 ) -> BuildSummary:
     """Build an engine folder at `output` (atomically); see design.md §3."""
-    if options.backend is Backend.TENSORRT:
-        raise BuildError(TENSORRT_UNAVAILABLE)
+    compiler = compiler_for(options.backend)
+    dtype = compiler.resolve_dtype(options.dtype)  # first: refuses an unusable backend before any work
     started = time.perf_counter()
     stages: dict[str, float] = {}
-    dtype = normalize_dtype(options.dtype)
 
     def stage(name: str, begin: float) -> float:
         stages[name] = round(time.perf_counter() - begin, 2)
@@ -136,7 +128,7 @@ def build_engine(
     with atomic_engine_folder(output) as folder:
         on_stage("compile")
         kv_cache = torch.zeros(kv_pool_shape(spec, limits), dtype=getattr(torch, dtype))
-        compile_cpu_engine(network, limits, kv_cache, folder / STEP_PACKAGE)
+        artifact_fields = compiler.compile(network, limits, kv_cache, folder)
         del kv_cache
         t = stage("compile", t)
         on_stage("write")
@@ -157,7 +149,7 @@ def build_engine(
                 "bytes": kv_pool_bytes,
             },
             "rope_scaling": rope_scaling,
-            "step_package": STEP_PACKAGE,
+            **artifact_fields,
             "weights": WEIGHTS_FILE,
             "tokenizer": {
                 "folder": TOKENIZER_DIR,

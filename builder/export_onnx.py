@@ -54,6 +54,20 @@ class _WithKvRows(nn.Module):
         return (logits, *[pool[slot_mapping] for pool in kv_pools])
 
 
+# Every dynamic step input and the named dimensions of its shape (the pools are static).
+STEP_INPUT_DIMS: dict[str, tuple[str, ...]] = {
+    "input_ids": ("num_tokens",),
+    "positions": ("num_tokens",),
+    "slot_mapping": ("num_tokens",),
+    "context_query_rows": ("num_context", "max_chunk_len"),
+    "context_block_tables": ("num_context", "context_blocks"),
+    "decode_query_rows": ("num_decode",),
+    "decode_block_tables": ("num_decode", "decode_blocks"),
+    "decode_seq_lens": ("num_decode",),
+    "logits_indices": ("num_logits",),
+}
+
+
 def dimension_bounds(limits: EngineLimits) -> dict[str, tuple[int, int]]:
     """The [min, max] of every dynamic step dimension: what a TensorRT profile is built from."""
     return {

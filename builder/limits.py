@@ -9,9 +9,16 @@ from typing import Any
 from ifb.builder.errors import LimitsError
 from ifb.builder.model_spec import ModelSpec
 
-DTYPES = ("bfloat16", "float32")
-DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
-DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+DTYPES = ("bfloat16", "float32")  # the CPU backend's; the tensorrt backend adds float16
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +65,8 @@ def normalize_dtype(dtype: str) -> str:
     3-10x slower than fp32 from a few rows up on AVX2-only machines, measured in bench/step.py)."""
     if dtype == "auto":
         return "bfloat16" if cpu_has_bf16_matmul() else "float32"
-    if dtype not in DTYPE_ALIASES:
-        raise LimitsError(f"dtype {dtype!r} is not supported; choose one of auto, bf16, fp32")
+    if DTYPE_ALIASES.get(dtype) not in DTYPES:
+        raise LimitsError(f"dtype {dtype!r} is not supported by the cpu backend; choose one of auto, bf16, fp32")
     return DTYPE_ALIASES[dtype]
 
 

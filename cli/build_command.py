@@ -54,10 +54,11 @@ def run_build(source: str | None, output: Path, options: BuildOptions) -> BuildS
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", "bf16", "fp32"]),
+    type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
     default="auto",
     show_default=True,
-    help="auto: bf16 where the CPU has bf16 matrix units (AMX/AVX512-BF16), else fp32.",
+    help="auto: cpu backend: bf16 where the CPU has bf16 matrix units (AMX/AVX512-BF16), else fp32; "
+    "tensorrt backend: bf16 on compute capability >= 8.0, else fp16. fp16 is tensorrt only.",
 )
 @click.option("--backend", type=click.Choice([b.value for b in Backend]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Engine folder.")

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ifb.builder.build import TENSORRT_UNAVAILABLE
 from ifb.builder.compile_cpu import kv_pool_views, load_cpu_engine
+from ifb.builder.compile_tensorrt import tensorrt_unavailable_reason
 from ifb.builder.limits import kv_pool_shape
 from ifb.builder.network import FAST_OPS, REFERENCE_OPS, StepNetwork
 from ifb.runtime.engine_config import EngineConfig, load_engine_config
@@ -47,12 +47,26 @@ def load_network(config: EngineConfig, reference_ops: bool) -> StepNetwork:
     return network.eval()
 
 
+def _load_tensorrt_step(config: EngineConfig) -> StepFn:
+    reason = tensorrt_unavailable_reason()
+    if reason is not None:
+        raise EngineFormatError(f"{config.folder} is a tensorrt engine: {reason}")
+    from ifb.runtime.tensorrt_step import TensorRTStep  # imports tensorrt: GPU hosts only
+
+    return TensorRTStep(config)
+
+
 def _make_step(config: EngineConfig, mode: StepMode) -> StepFn:
-    if mode is StepMode.COMPILED:
-        if config.backend != "cpu":
-            raise EngineFormatError(f"{config.folder} is a {config.backend} engine: {TENSORRT_UNAVAILABLE}")
-        return load_cpu_engine(config.step_package)
-    return load_network(config, reference_ops=mode is StepMode.REFERENCE)
+    """The one place the backend and mode are branched on. Eager modes run our network on the CPU."""
+    if mode is not StepMode.COMPILED:
+        return load_network(config, reference_ops=mode is StepMode.REFERENCE)
+    loaders: dict[str, Callable[[EngineConfig], StepFn]] = {
+        "cpu": lambda c: load_cpu_engine(c.step_package),
+        "tensorrt": _load_tensorrt_step,
+    }
+    if config.backend not in loaders:
+        raise EngineFormatError(f"{config.folder}: unknown backend {config.backend!r} (known: {', '.join(loaders)})")
+    return loaders[config.backend](config)
 
 
 class Engine:
@@ -61,9 +75,11 @@ class Engine:
     def __init__(self, config: EngineConfig, mode: StepMode = StepMode.COMPILED) -> None:
         self.config = config
         self.mode = mode
-        self.kv_cache = torch.zeros(kv_pool_shape(config.spec, config.limits), dtype=getattr(torch, config.dtype))
-        self.kv_pools = kv_pool_views(self.kv_cache)
         self._step = _make_step(config, mode)
+        device = getattr(self._step, "device", torch.device("cpu"))  # TensorRTStep: the GPU
+        shape = kv_pool_shape(config.spec, config.limits)
+        self.kv_cache = torch.zeros(shape, dtype=getattr(torch, config.dtype), device=device)
+        self.kv_pools = kv_pool_views(self.kv_cache)
 
     @classmethod
     def load(cls, folder: str | Path, mode: StepMode = StepMode.COMPILED, verify: bool = True) -> Engine:

@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ifb.builder.build import BuildOptions
+from ifb.builder.build import Backend, BuildOptions, build_dtype
 from ifb.builder.engine_writer import ENGINE_JSON
 from ifb.builder.errors import BuildError
-from ifb.builder.limits import normalize_dtype
 from ifb.builder.sources import resolve_source, source_sha256
 
 logger = logging.getLogger(__name__)
@@ -23,7 +22,8 @@ DEFAULT_ENGINES_DIR = Path("engines")
 def engine_name(source_name: str, options: BuildOptions) -> str:
     return (
         f"{source_name.lower()}-b{options.max_batch_size}-t{options.max_num_tokens}"
-        f"-s{options.max_seq_len}-{normalize_dtype(options.dtype)}"
+        f"-s{options.max_seq_len}-{build_dtype(options)}"
+        + ("" if options.backend is Backend.CPU else f"-{options.backend.value}")
     )
 
 
@@ -31,7 +31,8 @@ def _matches(record: dict, sha256: str, options: BuildOptions) -> bool:
     limits = record.get("limits", {})
     return (
         record.get("source", {}).get("sha256") == sha256
-        and record.get("dtype") == normalize_dtype(options.dtype)
+        and record.get("dtype") == build_dtype(options)
+        and record.get("backend") == options.backend.value
         and limits.get("max_batch_size", 0) >= options.max_batch_size
         and limits.get("max_num_tokens", 0) >= options.max_num_tokens
         and limits.get("max_seq_len", 0) >= options.max_seq_len

@@ -7,21 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_loop import greedy_generate, scattered_blocks
+from step_cases import FP32_TOLERANCE, mixed_step_slices, prompts
 from transformers import AutoModelForCausalLM
 
 from ifb.runtime.engine import Engine, StepMode
 from ifb.runtime.step_inputs import RequestSlice, build_step_inputs
 
-FP32_TOLERANCE = 2e-4  # max abs logit difference, fp32, logits of magnitude ~1-10
-
 
 def hf_model(folder: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def prompts(vocab: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize(
@@ -51,25 +45,6 @@ def test_reference_network_matches_transformers(
         assert (logits[0] - expected).abs().max().item() < FP32_TOLERANCE, f"decode step {step}"
 
 
-def _mixed_step_slices(engine: Engine) -> tuple[list[RequestSlice], list[RequestSlice]]:
-    """Warm-up slices that fill some context, then one step mixing chunks and decodes."""
-    vocab = engine.config.spec.vocab_size
-    a, b, c, d = prompts(vocab, [20, 9, 33, 5], seed=11)
-    tables = [[3, 17, 9], [40, 2], [25, 11, 30, 7], [46]]
-    warmup = [
-        RequestSlice(a[:16], 0, tables[0], False),  # a: first chunk already computed
-        RequestSlice(c, 0, tables[2], True),  # c: fully prefilled, will decode
-        RequestSlice(d, 0, tables[3], True),  # d: fully prefilled, will decode
-    ]
-    mixed = [
-        RequestSlice([5], 33, tables[2], True),  # decode c at position 33
-        RequestSlice(a[16:], 16, tables[0], True),  # a: last chunk over cached context
-        RequestSlice(b, 0, tables[1], True),  # b: whole prompt in one chunk
-        RequestSlice([7], 5, tables[3], True),  # decode d
-    ]
-    return warmup, mixed
-
-
 @pytest.mark.parametrize("engine_fixture", ["tiny_llama_engine", "tiny_qwen2_engine"])
 def test_compiled_matches_reference_on_mixed_step(engine_fixture: str, request: pytest.FixtureRequest) -> None:
     """Two prefill chunks of different lengths plus two decodes of different context in one call."""
@@ -77,7 +52,7 @@ def test_compiled_matches_reference_on_mixed_step(engine_fixture: str, request: 
     results = {}
     for mode in (StepMode.REFERENCE, StepMode.EAGER, StepMode.COMPILED):
         engine = Engine.load(folder, mode)
-        warmup, mixed = _mixed_step_slices(engine)
+        warmup, mixed = mixed_step_slices(engine)
         block_size = engine.config.limits.block_size
         engine.step(build_step_inputs(warmup, block_size))
         results[mode] = (engine.step(build_step_inputs(mixed, block_size)), engine.kv_cache.clone())
@@ -92,7 +67,7 @@ def test_compiled_matches_reference_on_mixed_step(engine_fixture: str, request: 
 def test_mixed_step_logits_equal_each_request_alone(tiny_llama_engine: Path) -> None:
     """Packing is invisible: each row of a mixed step equals the same request stepped alone."""
     engine = Engine.load(tiny_llama_engine, StepMode.COMPILED)
-    warmup, mixed = _mixed_step_slices(engine)
+    warmup, mixed = mixed_step_slices(engine)
     block_size = engine.config.limits.block_size
     engine.step(build_step_inputs(warmup, block_size))
     snapshot = engine.kv_cache.clone()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,28 @@ def test_tensorrt_without_cuda_is_one_clear_line(tiny_llama_dir: Path, engine_co
     (engine_copy / "engine.json").write_text(json.dumps(record))
     ran = runner.invoke(cli, ["run", str(engine_copy), "--prompt", "hi"])
     assert ran.exit_code == 1 and "CUDA GPU" in ran.output and "Traceback" not in ran.output
+
+
+def test_fp16_is_refused_by_the_cpu_backend_naming_the_backend(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["build", str(tiny_llama_dir), "--dtype", "fp16", "-o", str(tmp_path / "x")])
+    assert result.exit_code == 1 and "'fp16'" in result.output and "cpu backend" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "x").exists()
+
+
+def test_the_cpu_path_never_imports_tensorrt_or_onnx(tiny_llama_engine: Path) -> None:
+    """Serving a CPU engine end to end (server app, LLM, a generated answer) loads neither."""
+    script = (
+        "import sys\n"
+        "from ifb.runtime.server import create_app\n"
+        "from ifb.runtime.llm import LLM\n"
+        "from ifb import SamplingParams\n"
+        f"llm = LLM({str(tiny_llama_engine)!r})\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))\n"
+        "assert len(out[0].token_ids) == 3\n"
+        "create_app(llm)\n"
+        "llm.close()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'onnx', 'onnxruntime', 'cuda')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

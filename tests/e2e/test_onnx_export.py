@@ -8,9 +8,9 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-from test_engine import FP32_TOLERANCE, _mixed_step_slices
+from step_cases import FP32_TOLERANCE, mixed_step_slices
 
-from ifb.builder.export_onnx import dimension_bounds, export_onnx
+from ifb.builder.export_onnx import STEP_INPUT_DIMS, dimension_bounds, export_onnx
 from ifb.runtime.engine import Engine, StepMode, load_network
 from ifb.runtime.onnx_step import OnnxStep
 from ifb.runtime.step_inputs import build_step_inputs
@@ -28,7 +28,7 @@ def test_onnxruntime_matches_the_torch_reference_on_mixed_steps(tiny_llama_engin
     reference = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
     via_onnx = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
     via_onnx._step = OnnxStep(onnx_path)  # same Engine, the ONNX graph as its step
-    warmup, mixed = _mixed_step_slices(reference)
+    warmup, mixed = mixed_step_slices(reference)
     block_size = reference.config.limits.block_size
     for engine in (reference, via_onnx):
         engine.step(build_step_inputs(warmup, block_size))
@@ -64,3 +64,28 @@ def test_greedy_through_onnxruntime_equals_the_compiled_engine(tiny_llama_engine
     via_onnx._step = OnnxStep(onnx_path)
     prompt = torch.arange(3, 40).tolist()
     assert greedy_generate(via_onnx, prompt, 16, chunk=16) == greedy_generate(compiled, prompt, 16, chunk=16)
+
+
+def test_tensorrt_profile_covers_every_dynamic_input_with_the_graphs_own_dimensions(
+    tiny_llama_engine: Path, onnx_path: Path
+) -> None:
+    """The optimization profile TensorRT gets: one (min, opt, max) per dynamic graph input, with the
+    baked limits as max, and one graph symbol per named dimension (so shapes agree across inputs)."""
+    from ifb.builder.compile_tensorrt import profile_shapes
+
+    limits = Engine.load(tiny_llama_engine, StepMode.REFERENCE).config.limits
+    profile = profile_shapes(limits)
+    model = onnx.load(str(onnx_path))
+    graph_dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    dynamic_inputs = {name for name, dims in graph_dims.items() if any(isinstance(d, str) for d in dims)}
+    assert set(profile) == dynamic_inputs
+    bounds = dimension_bounds(limits)
+    symbol_of: dict[str, str] = {}
+    for name, dims in STEP_INPUT_DIMS.items():
+        low, opt, high = profile[name]
+        assert len(low) == len(opt) == len(high) == len(graph_dims[name]) == len(dims)
+        for dim, symbol, a, b, c in zip(dims, graph_dims[name], low, opt, high, strict=True):
+            assert (a, c) == bounds[dim] and a <= b <= c
+            assert symbol_of.setdefault(dim, str(symbol)) == symbol, f"{name}: {dim} is a different graph symbol"
+    assert len(set(symbol_of.values())) == len(symbol_of)  # distinct dimensions stay distinct
+    assert profile["decode_block_tables"][2] == (limits.max_batch_size, limits.max_blocks_per_seq)

@@ -1,0 +1,122 @@
+"""TensorRTStep: runs a TensorRT step plan on the GPU over the engine's device-resident KV pool.
+
+Per step only the small index tensors go host -> device; the pool stays on the GPU, bound by
+address. The plan returns this step's K/V rows (ONNX has no in-place writes, see
+builder/export_onnx.py), which are scattered into the pool on the same stream. Logits come back
+to the host for the sampler: [num_logits, vocab] float32, the one copy a step needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ifb.builder.compile_tensorrt import this_gpu
+from ifb.builder.export_onnx import STEP_INPUT_DIMS
+from ifb.runtime.engine_config import EngineConfig
+from ifb.runtime.errors import EngineFormatError
+
+logger = logging.getLogger(__name__)
+
+DEVICE = torch.device("cuda")
+
+
+def plan_mismatch(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Why a plan built for `recorded` cannot run here (`current`), or None. Plans are specific
+    to the TensorRT version and the GPU model they were built on."""
+    for key, what in (
+        ("version", "TensorRT version"),
+        ("gpu_name", "GPU"),
+        ("compute_capability", "compute capability"),
+    ):
+        if recorded.get(key) != current.get(key):
+            return f"built for {what} {recorded.get(key)!r}, this machine has {current.get(key)!r}"
+    return None
+
+
+def rebuild_hint(config: EngineConfig) -> str:
+    limits = config.limits
+    return (
+        f"rebuild it here: ifb build {config.record.get('source', {}).get('path', 'SOURCE')} --backend tensorrt "
+        f"--max-batch-size {limits.max_batch_size} --max-num-tokens {limits.max_num_tokens} "
+        f"--max-seq-len {limits.max_seq_len} -o {config.folder}"
+    )
+
+
+def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
+    table = {
+        trt.float32: torch.float32,
+        trt.float16: torch.float16,
+        trt.bfloat16: torch.bfloat16,
+        trt.int32: torch.int32,
+        trt.int64: torch.int64,
+    }
+    return table[dtype]
+
+
+class TensorRTStep:
+    """Same call signature as the compiled CPU step: (*step_inputs, kv_pools) -> logits."""
+
+    device = DEVICE
+
+    def __init__(self, config: EngineConfig) -> None:
+        import tensorrt as trt
+
+        problem = plan_mismatch(config.record.get("tensorrt", {}), this_gpu())
+        if problem is not None:
+            raise EngineFormatError(f"{config.folder}: TensorRT plan {problem}; {rebuild_hint(config)}")
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self._engine = self._runtime.deserialize_cuda_engine(config.step_package.read_bytes())
+        if self._engine is None:
+            raise EngineFormatError(f"{config.folder}: TensorRT could not load the plan; {rebuild_hint(config)}")
+        self._context = self._engine.create_execution_context()
+        self._stream = torch.cuda.Stream()
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        num_pools = 2 * config.spec.num_layers
+        # Bound by name in the step contract's order (the plan's own I/O order is not promised).
+        self._inputs = [*STEP_INPUT_DIMS, *(f"kv_pools_{i}" for i in range(num_pools))]
+        self._outputs = ["logits", *(f"kv_rows_{i}" for i in range(num_pools))]
+        if sorted(names) != sorted(self._inputs + self._outputs):
+            raise EngineFormatError(f"{config.folder}: the plan's tensors {names} are not the step contract's")
+        self._dtypes = {n: _torch_dtype(trt, self._engine.get_tensor_dtype(n)) for n in names}
+        self._output_buffers = self._allocate_outputs(config)
+        self._empty = torch.zeros(1, dtype=torch.int64, device=DEVICE)  # an address for 0-row inputs
+
+    def _allocate_outputs(self, config: EngineConfig) -> dict[str, torch.Tensor]:
+        """Output buffers at their largest shape, allocated once; each step uses a prefix."""
+        limits, spec = config.limits, config.spec
+        largest = {"logits": (limits.max_batch_size, spec.vocab_size)}
+        row_shape = (limits.max_num_tokens, spec.num_kv_heads, spec.head_dim)
+        return {
+            name: torch.empty(largest.get(name, row_shape), dtype=self._dtypes[name], device=DEVICE)
+            for name in self._outputs
+        }
+
+    def _bind(self, name: str, tensor: torch.Tensor) -> None:
+        self._context.set_input_shape(name, tuple(tensor.shape))
+        self._context.set_tensor_address(name, tensor.data_ptr() if tensor.numel() else self._empty.data_ptr())
+
+    def __call__(self, *args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        *step_inputs, kv_pools = args
+        assert isinstance(kv_pools, list)
+        with torch.cuda.stream(self._stream):
+            device_inputs = [
+                t.to(DEVICE, dtype=self._dtypes[name], non_blocking=True)
+                for name, t in zip(self._inputs, step_inputs, strict=False)
+                if isinstance(t, torch.Tensor)
+            ]
+            for name, tensor in zip(self._inputs, [*device_inputs, *kv_pools], strict=True):
+                self._bind(name, tensor)
+            for name, buffer in self._output_buffers.items():
+                self._context.set_tensor_address(name, buffer.data_ptr())
+            if not self._context.execute_async_v3(self._stream.cuda_stream):
+                raise RuntimeError("TensorRT execute_async_v3 failed")
+            num_tokens, num_logits = device_inputs[0].shape[0], device_inputs[-1].shape[0]
+            slot_mapping = device_inputs[2].long()
+            for pool, name in zip(kv_pools, self._outputs[1:], strict=True):
+                pool.index_copy_(0, slot_mapping, self._output_buffers[name][:num_tokens])
+            logits = self._output_buffers["logits"][:num_logits].float().cpu()  # waits for the stream
+        return logits
