@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install run test bench lint
+.PHONY: install run test bench lint gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/step.py
+
+# For a CUDA machine: TensorRT extra, tiny + SmolLM2 TensorRT engines, tests/gpu, short benches.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """Step-time benchmark: the compiled engine vs HF transformers eager, same weights, same run.
 
-    .venv/bin/python bench/step.py [--engine ENGINE_DIR] [--repeats 7]
+    .venv/bin/python bench/step.py [--engine ENGINE_DIR] [--repeats 7] [--no-hf]
 
 Prints ms per step for decode at batch 1/8/32 (256 tokens of context each) and one 512-token
 prefill, the machine's read bandwidth and the weight-read lower bound for a decode step.
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--engine", default=None, help="engine folder (default: build/reuse the SmolLM2 engine)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--output", type=Path, default=Path("bench/out/step.json"))
+    parser.add_argument("--no-hf", action="store_true", help="engine only (e.g. a TensorRT engine in gpu-check)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
@@ -94,19 +95,39 @@ def main() -> None:
     engine = Engine.load(folder, StepMode.COMPILED)
     weight_bytes = sum(p.stat().st_size for p in [engine.config.weights])
     bandwidth = read_bandwidth_gbs()
-    results: dict[str, dict[str, float]] = {f"ifb compiled ({engine.config.dtype})": engine_times(engine, args.repeats)}
+    label = f"ifb {engine.config.backend} ({engine.config.dtype})"
+    results: dict[str, dict[str, float]] = {label: engine_times(engine, args.repeats)}
     del engine
 
+    if not args.no_hf:
+        results.update(hf_results(args.repeats))
+    print_table(results, bandwidth, weight_bytes)
+    ratios = speedups(results) if not args.no_hf else {}
+    for name, ratio in ratios.items():
+        print(f"speedup {name}: {ratio:.2f}x")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(
+        json.dumps(
+            {"bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes, "ms": results, "speedups": ratios}, indent=2
+        )
+    )
+
+
+def hf_results(repeats: int) -> dict[str, dict[str, float]]:
     from transformers import AutoModelForCausalLM
 
     loaded = load_model(resolve_source(None))
+    results = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=dtype)
         model.load_state_dict(loaded.state_dict, strict=False)
         model.tie_weights()
-        results[f"HF transformers eager ({str(dtype).split('.')[-1]})"] = hf_times(model.eval(), args.repeats)
+        results[f"HF transformers eager ({str(dtype).split('.')[-1]})"] = hf_times(model.eval(), repeats)
         del model
+    return results
 
+
+def print_table(results: dict[str, dict[str, float]], bandwidth: float, weight_bytes: int) -> None:
     columns = [f"decode_b{b}" for b in BATCHES] + ["prefill_512"]
     print(
         f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
@@ -117,23 +138,18 @@ def main() -> None:
     print(f"{'ms per step':40s}" + "".join(f"{c:>14s}" for c in columns))
     for name, row in results.items():
         print(f"{name:40s}" + "".join(f"{row[c]:14.1f}" for c in columns))
+
+
+def speedups(results: dict[str, dict[str, float]]) -> dict[str, float]:
     ours = next(iter(results.values()))
     hf32 = results["HF transformers eager (float32)"]
     hf16 = results["HF transformers eager (bfloat16)"]
-    ratios = {
+    return {
         "decode_b32 vs HF bf16": hf16["decode_b32"] / ours["decode_b32"],
         "decode_b1 vs faster HF": min(hf32["decode_b1"], hf16["decode_b1"]) / ours["decode_b1"],
         "prefill_512 vs HF bf16": hf16["prefill_512"] / ours["prefill_512"],
         "prefill_512 vs HF fp32": hf32["prefill_512"] / ours["prefill_512"],
     }
-    for name, ratio in ratios.items():
-        print(f"speedup {name}: {ratio:.2f}x")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(
-        json.dumps(
-            {"bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes, "ms": results, "speedups": ratios}, indent=2
-        )
-    )
 
 
 if __name__ == "__main__":

@@ -108,14 +108,17 @@ def _parse_onnx(trt: Any, builder: Any, trt_logger: Any, onnx_path: Path) -> tup
     return network, parser
 
 
-def build_plan(onnx_path: Path, limits: EngineLimits, plan_path: Path) -> None:
-    """Build a serialized TensorRT plan from the ONNX step graph with one optimization profile."""
+def build_plan(onnx_path: Path, limits: EngineLimits, plan_path: Path, exact_fp32: bool) -> None:
+    """Build a serialized TensorRT plan from the ONNX step graph with one optimization profile.
+    `exact_fp32` turns TF32 off, so an fp32 plan computes in fp32 as asked."""
     import tensorrt as trt
 
     trt_logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(trt_logger)
     network, _parser = _parse_onnx(trt, builder, trt_logger, onnx_path)  # the parser owns weights: keep it alive
     config = builder.create_builder_config()
+    if exact_fp32:
+        config.clear_flag(trt.BuilderFlag.TF32)
     profile = builder.create_optimization_profile()
     for name, (low, opt, high) in profile_shapes(limits).items():
         profile.set_shape(name, low, opt, high)
@@ -132,5 +135,5 @@ def compile_tensorrt_engine(
     """Export ONNX (in a temp dir: only the plan ships) and build `folder/step.plan`."""
     with tempfile.TemporaryDirectory(prefix="ifb-onnx-") as scratch:
         onnx_path = export_onnx(network, limits, kv_cache, Path(scratch) / "step.onnx")  # type: ignore[arg-type]
-        build_plan(onnx_path, limits, folder / PLAN_FILE)
+        build_plan(onnx_path, limits, folder / PLAN_FILE, exact_fp32=kv_cache.dtype == torch.float32)
     return {"step_package": PLAN_FILE, "tensorrt": this_gpu()}

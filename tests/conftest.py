@@ -11,11 +11,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import write_gguf, write_hf_checkpoint  # noqa: E402
+from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint  # noqa: E402
 
 from ifb.builder.build import BuildOptions, build_engine  # noqa: E402
-
-TINY_LIMITS = dict(max_batch_size=8, max_num_tokens=64, max_seq_len=256, block_size=16, kv_blocks=48)
 
 
 @pytest.fixture(scope="session")

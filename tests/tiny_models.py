@@ -20,6 +20,9 @@ CORPUS = [
 ] * 20
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
+# The limits every tiny test engine is built with (CPU and TensorRT alike).
+TINY_LIMITS = dict(max_batch_size=8, max_num_tokens=64, max_seq_len=256, block_size=16, kv_blocks=48)
+
 
 def tiny_tokenizer(vocab_size: int = 320) -> Any:
     """A byte-level BPE trained in-process on a fixed corpus (deterministic)."""
