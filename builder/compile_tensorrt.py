@@ -99,8 +99,9 @@ def this_gpu() -> dict[str, Any]:
 
 
 def _parse_onnx(trt: Any, builder: Any, trt_logger: Any, onnx_path: Path) -> tuple[Any, Any]:
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # precision = the ONNX types
-    network = builder.create_network(flags)
+    # Precision = the ONNX types. TensorRT 11 networks are always strongly typed (no flag left).
+    strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
     parser = trt.OnnxParser(network, trt_logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
@@ -117,7 +118,7 @@ def build_plan(onnx_path: Path, limits: EngineLimits, plan_path: Path, exact_fp3
     builder = trt.Builder(trt_logger)
     network, _parser = _parse_onnx(trt, builder, trt_logger, onnx_path)  # the parser owns weights: keep it alive
     config = builder.create_builder_config()
-    if exact_fp32:
+    if exact_fp32 and hasattr(trt.BuilderFlag, "TF32"):
         config.clear_flag(trt.BuilderFlag.TF32)
     profile = builder.create_optimization_profile()
     for name, (low, opt, high) in profile_shapes(limits).items():
