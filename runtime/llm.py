@@ -7,12 +7,14 @@ caller blocks (or gets QueueFullError with block=False or on timeout).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.executor import Executor
 from ifb.runtime.guided import GrammarCompiler
 from ifb.runtime.kv_cache_manager import KVCacheManager
+from ifb.runtime.loop_mailbox import LoopMailbox
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
 from ifb.runtime.policies import (
     CapacityPolicyKind,
@@ -93,6 +96,8 @@ class LLM:
         )
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
+        self._mailboxes_lock = threading.Lock()
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self.executor.start()
@@ -243,21 +248,20 @@ class LLM:
             for _ in range(taken):
                 self.gate.release()
             raise
+        mailbox = self._mailbox(loop)
         streams = []
         for request in requests:
             inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            self._enqueue(request, self._threadsafe_put(loop, inbox))
+            self._enqueue(request, functools.partial(mailbox.post, inbox))
             streams.append(self._drain(request.request_id, inbox))
         return streams
 
-    @staticmethod
-    def _threadsafe_put(
-        loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[RequestOutput]
-    ) -> Callable[[RequestOutput], None]:
-        def put(output: RequestOutput) -> None:
-            loop.call_soon_threadsafe(inbox.put_nowait, output)
-
-        return put
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+        with self._mailboxes_lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
+            return mailbox
 
     async def _drain(self, request_id: str, inbox: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
         """Cancelling or closing the consumer aborts the request inside the engine."""
