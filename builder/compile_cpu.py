@@ -8,7 +8,6 @@ without recompiling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,7 +94,3 @@ def compile_cpu_engine(network: StepNetwork, limits: EngineLimits, kv_cache: tor
         )
     return Path(path)
 
-
-def load_cpu_engine(package_path: Path) -> Callable[..., torch.Tensor]:
-    """Load a compiled step package; no compilation happens here."""
-    return torch._inductor.aoti_load_package(str(package_path))  # type: ignore[no-any-return]

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ifb.builder.compile_cpu import kv_pool_views, load_cpu_engine
+from ifb.builder.compile_cpu import kv_pool_views
 from ifb.builder.compile_tensorrt import tensorrt_unavailable_reason
 from ifb.builder.limits import kv_pool_shape
 from ifb.builder.network import FAST_OPS, REFERENCE_OPS, StepNetwork
+from ifb.runtime.aoti_step import AotiStep
 from ifb.runtime.engine_config import EngineConfig, load_engine_config
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step_inputs import StepInputs
@@ -61,7 +62,7 @@ def _make_step(config: EngineConfig, mode: StepMode) -> StepFn:
     if mode is not StepMode.COMPILED:
         return load_network(config, reference_ops=mode is StepMode.REFERENCE)
     loaders: dict[str, Callable[[EngineConfig], StepFn]] = {
-        "cpu": lambda c: load_cpu_engine(c.step_package),
+        "cpu": lambda c: AotiStep(c.step_package),
         "tensorrt": _load_tensorrt_step,
     }
     if config.backend not in loaders:
