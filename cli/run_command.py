@@ -117,9 +117,6 @@ def run(
 
         from ifb.runtime.server import create_app
 
-        # The compiled step holds the GIL; a short switch interval hands it back to the step
-        # loop quickly after the event loop has streamed the step's tokens.
-        sys.setswitchinterval(0.0005)
         app = create_app(llm, api_key=api_key, queue_timeout=queue_timeout)
         logger.info(
             "serving %s on http://%s:%d (max_batch_size %d)", llm.model_name, host, port, llm.config.max_batch_size

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -361,17 +361,8 @@ async def _sse(
     first: list[RequestOutput | None],
     body: Any,
 ) -> AsyncIterator[str]:
-    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
     collected: list[list[RequestOutput]] = [[] for _ in jobs]
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput], head: RequestOutput | None) -> None:
-        if head is not None:
-            await queue.put((i, head))
-            async for output in stream:
-                await queue.put((i, output))
-        await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, first, strict=True))]
+    merged, tasks = _merge(streams, first)
     kind = "chat.completion.chunk" if chat else "text_completion"
     try:
         if chat:
@@ -387,12 +378,7 @@ async def _sse(
                         ],
                     }
                 )
-        remaining = len(jobs)
-        while remaining:
-            i, output = await queue.get()
-            if output is None:
-                remaining -= 1
-                continue
+        async for i, output in merged:
             collected[i].append(output)
             index, _, params = jobs[i]
             reason = output.finish_reason.value if output.finished and output.finish_reason else None
@@ -419,8 +405,45 @@ async def _sse(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await merged.aclose()
         for stream in streams:
             await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _merge(
+    streams: list[AsyncIterator[RequestOutput]], first: list[RequestOutput | None]
+) -> tuple[AsyncGenerator[tuple[int, RequestOutput]], list[asyncio.Task[None]]]:
+    """(index, delta) from all streams as they come. One stream (n=1, the common case) is read
+    directly; several are pumped into one queue by tasks the caller cancels when done."""
+    if len(streams) == 1:
+
+        async def single() -> AsyncGenerator[tuple[int, RequestOutput]]:
+            if first[0] is not None:
+                yield 0, first[0]
+                async for output in streams[0]:
+                    yield 0, output
+
+        return single(), []
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput], head: RequestOutput | None) -> None:
+        if head is not None:
+            await queue.put((i, head))
+            async for output in stream:
+                await queue.put((i, output))
+        await queue.put((i, None))
+
+    async def drain() -> AsyncGenerator[tuple[int, RequestOutput]]:
+        remaining = len(streams)
+        while remaining:
+            i, output = await queue.get()
+            if output is None:
+                remaining -= 1
+            else:
+                yield i, output
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, first, strict=True))]
+    return drain(), tasks
 
 
 def _event(payload: dict[str, Any]) -> str:
