@@ -117,6 +117,10 @@ def run(
 
         from ifb.runtime.server import create_app
 
+        # Between steps the step loop's Python (sampling, scheduling) and the event loop share the
+        # GIL; with the default 5 ms switch interval the step loop could wait up to 5 ms for it
+        # per step while the loop streams tokens. 0.5 ms bounds that wait.
+        sys.setswitchinterval(0.0005)
         app = create_app(llm, api_key=api_key, queue_timeout=queue_timeout)
         logger.info(
             "serving %s on http://%s:%d (max_batch_size %d)", llm.model_name, host, port, llm.config.max_batch_size
