@@ -182,7 +182,8 @@ class Executor:
             assert engine is not None
             inputs = build_step_inputs(slices, engine.config.limits.block_size)
             guided = [(row, r.grammar_matcher) for row, r in enumerate(sampling) if r.grammar_matcher is not None]
-            # The compiled step holds the GIL, so masks are filled before it rather than during it.
+            # Masks are filled before the step, not beside it: the step now releases the GIL, but
+            # it uses both cores, so a mask thread would only take a core from it.
             bitmask = fill_bitmask(guided, len(sampling), engine.config.spec.vocab_size) if guided else None
             logits = engine.step(inputs)
             result = self.sampler.sample(logits, sampling, bitmask) if sampling else None
