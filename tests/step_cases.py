@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ifb.runtime.engine import Engine
-from ifb.runtime.step_inputs import RequestSlice
+from ifb.runtime.step_inputs import RequestSlice, build_step_inputs
 
 FP32_TOLERANCE = 2e-4  # max abs logit difference, fp32, logits of magnitude ~1-10
 
@@ -32,3 +32,11 @@ def mixed_step_slices(engine: Engine) -> tuple[list[RequestSlice], list[RequestS
         RequestSlice([7], 5, tables[3], True),  # decode d
     ]
     return warmup, mixed
+
+
+def run_mixed_step(engine: Engine) -> torch.Tensor:
+    """The warm-up step, then the mixed step; returns the mixed step's logits (on the host)."""
+    warmup, mixed = mixed_step_slices(engine)
+    block_size = engine.config.limits.block_size
+    engine.step(build_step_inputs(warmup, block_size))
+    return engine.step(build_step_inputs(mixed, block_size))

@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from step_cases import mixed_step_slices
+from step_cases import run_mixed_step
 
 from ifb.runtime.aoti_step import AotiStep
 from ifb.runtime.engine import Engine
-from ifb.runtime.step_inputs import build_step_inputs
 
 
 def test_equals_torchs_own_loader_bit_for_bit(tiny_llama_engine: Path) -> None:
@@ -21,11 +20,5 @@ def test_equals_torchs_own_loader_bit_for_bit(tiny_llama_engine: Path) -> None:
     assert isinstance(ours._step, AotiStep)
     theirs = Engine.load(tiny_llama_engine)
     theirs._step = torch._inductor.aoti_load_package(str(theirs.config.step_package))
-    warmup, mixed = mixed_step_slices(ours)
-    block_size = ours.config.limits.block_size
-    for engine in (ours, theirs):
-        engine.step(build_step_inputs(warmup, block_size))
-    assert torch.equal(
-        ours.step(build_step_inputs(mixed, block_size)), theirs.step(build_step_inputs(mixed, block_size))
-    )
+    assert torch.equal(run_mixed_step(ours), run_mixed_step(theirs))
     assert torch.equal(ours.kv_cache, theirs.kv_cache)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_loop import greedy_generate, scattered_blocks
-from step_cases import FP32_TOLERANCE, mixed_step_slices, prompts
+from step_cases import FP32_TOLERANCE, mixed_step_slices, prompts, run_mixed_step
 from transformers import AutoModelForCausalLM
 
 from ifb.runtime.engine import Engine, StepMode
@@ -52,10 +52,7 @@ def test_compiled_matches_reference_on_mixed_step(engine_fixture: str, request: 
     results = {}
     for mode in (StepMode.REFERENCE, StepMode.EAGER, StepMode.COMPILED):
         engine = Engine.load(folder, mode)
-        warmup, mixed = mixed_step_slices(engine)
-        block_size = engine.config.limits.block_size
-        engine.step(build_step_inputs(warmup, block_size))
-        results[mode] = (engine.step(build_step_inputs(mixed, block_size)), engine.kv_cache.clone())
+        results[mode] = (run_mixed_step(engine), engine.kv_cache.clone())
     ref_logits, ref_kv = results[StepMode.REFERENCE]
     assert ref_logits.shape == (4, engine.config.spec.vocab_size)
     for mode in (StepMode.EAGER, StepMode.COMPILED):

@@ -8,12 +8,11 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-from step_cases import FP32_TOLERANCE, mixed_step_slices
+from step_cases import FP32_TOLERANCE, run_mixed_step
 
 from ifb.builder.export_onnx import STEP_INPUT_DIMS, dimension_bounds, export_onnx
 from ifb.runtime.engine import Engine, StepMode, load_network
 from ifb.runtime.onnx_step import OnnxStep
-from ifb.runtime.step_inputs import build_step_inputs
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +27,7 @@ def test_onnxruntime_matches_the_torch_reference_on_mixed_steps(tiny_llama_engin
     reference = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
     via_onnx = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
     via_onnx._step = OnnxStep(onnx_path)  # same Engine, the ONNX graph as its step
-    warmup, mixed = mixed_step_slices(reference)
-    block_size = reference.config.limits.block_size
-    for engine in (reference, via_onnx):
-        engine.step(build_step_inputs(warmup, block_size))
-    expected = reference.step(build_step_inputs(mixed, block_size))
-    actual = via_onnx.step(build_step_inputs(mixed, block_size))
+    expected, actual = run_mixed_step(reference), run_mixed_step(via_onnx)
     assert actual.shape == expected.shape == (4, reference.config.spec.vocab_size)
     assert (actual - expected).abs().max().item() < FP32_TOLERANCE
     assert (via_onnx.kv_cache - reference.kv_cache).abs().max().item() < 1e-5

@@ -11,13 +11,12 @@ import pytest
 import torch
 from greedy_loop import greedy_generate
 from server_harness import running_server
-from step_cases import mixed_step_slices, prompts
+from step_cases import prompts, run_mixed_step
 
 from ifb.runtime.engine import Engine, StepMode
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.llm import LLM
 from ifb.runtime.sampling_params import SamplingParams
-from ifb.runtime.step_inputs import build_step_inputs
 
 GPU_FP32_TOLERANCE = 1e-3  # fp32 with TF32 off; GPU reduction order differs from the CPU's
 
@@ -33,12 +32,7 @@ def test_tensorrt_step_matches_the_torch_reference_on_a_mixed_step(tiny_llama_tr
     reference = Engine.load(tiny_llama_trt_fp32, StepMode.REFERENCE)  # our network, CPU, same weights
     on_gpu = Engine.load(tiny_llama_trt_fp32, StepMode.COMPILED)
     assert on_gpu.kv_cache.is_cuda
-    warmup, mixed = mixed_step_slices(reference)
-    block_size = reference.config.limits.block_size
-    for engine in (reference, on_gpu):
-        engine.step(build_step_inputs(warmup, block_size))
-    expected = reference.step(build_step_inputs(mixed, block_size))
-    actual = on_gpu.step(build_step_inputs(mixed, block_size))
+    expected, actual = run_mixed_step(reference), run_mixed_step(on_gpu)
     assert actual.shape == expected.shape and not actual.is_cuda
     assert (actual - expected).abs().max().item() < GPU_FP32_TOLERANCE
     assert (on_gpu.kv_cache.cpu() - reference.kv_cache).abs().max().item() < GPU_FP32_TOLERANCE
