@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from ifb.builder.compile_cpu import compile_cpu_engine
+from ifb.builder.compile_tensorrt import compile_tensorrt_engine, tensorrt_dtype
 from ifb.builder.limits import EngineLimits, normalize_dtype
 from ifb.builder.network import StepNetwork
 
@@ -44,18 +45,14 @@ class CpuCompiler:
 
 
 class TensorRTCompiler:
-    """Imports the TensorRT builder only when asked for, so the CPU path never loads tensorrt."""
+    """compile_tensorrt imports tensorrt (and onnx) only inside its build functions."""
 
     def resolve_dtype(self, dtype: str) -> str:
-        from ifb.builder.compile_tensorrt import tensorrt_dtype
-
         return tensorrt_dtype(dtype)
 
     def compile(
         self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path
     ) -> dict[str, Any]:
-        from ifb.builder.compile_tensorrt import compile_tensorrt_engine
-
         return compile_tensorrt_engine(network, limits, kv_cache, folder)
 
 

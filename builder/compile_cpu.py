@@ -93,4 +93,3 @@ def compile_cpu_engine(network: StepNetwork, limits: EngineLimits, kv_cache: tor
             inductor_configs=INDUCTOR_CONFIGS,
         )
     return Path(path)
-

@@ -12,7 +12,6 @@ Nothing here imports tensorrt at module level: the CPU path never loads it.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,6 @@ import torch
 from ifb.builder.errors import BuildError, LimitsError
 from ifb.builder.export_onnx import STEP_INPUT_DIMS, dimension_bounds, export_onnx
 from ifb.builder.limits import DTYPE_ALIASES, EngineLimits
-
-logger = logging.getLogger(__name__)
 
 PLAN_FILE = "step.plan"
 TENSORRT_DTYPES = ("bfloat16", "float16", "float32")
@@ -135,6 +132,6 @@ def compile_tensorrt_engine(
 ) -> dict[str, Any]:
     """Export ONNX (in a temp dir: only the plan ships) and build `folder/step.plan`."""
     with tempfile.TemporaryDirectory(prefix="ifb-onnx-") as scratch:
-        onnx_path = export_onnx(network, limits, kv_cache, Path(scratch) / "step.onnx")  # type: ignore[arg-type]
+        onnx_path = export_onnx(network, limits, kv_cache, Path(scratch) / "step.onnx")
         build_plan(onnx_path, limits, folder / PLAN_FILE, exact_fp32=kv_cache.dtype == torch.float32)
     return {"step_package": PLAN_FILE, "tensorrt": this_gpu()}

@@ -11,7 +11,6 @@ and outputs are the ones torch's loader would use (same container ABI, same tens
 from __future__ import annotations
 
 import ctypes
-import logging
 import shutil
 import tempfile
 import weakref
@@ -21,8 +20,6 @@ from pathlib import Path
 import torch
 
 from ifb.runtime.errors import EngineFormatError
-
-logger = logging.getLogger(__name__)
 
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
@@ -45,9 +42,9 @@ class _Container:
 
     def __init__(self, library_path: Path) -> None:
         self.lib = ctypes.CDLL(str(library_path))  # CDLL (not PyDLL): calls release the GIL
-        self.lib.AOTInductorModelContainerRun.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        self.lib.AOTInductorModelContainerRun.argtypes += [ctypes.c_void_p, ctypes.c_size_t]
-        self.lib.AOTInductorModelContainerRun.argtypes += [ctypes.c_void_p, ctypes.c_void_p]
+        pointer, size = ctypes.c_void_p, ctypes.c_size_t
+        # (container, inputs, num_inputs, outputs, num_outputs, stream, proxy executor)
+        self.lib.AOTInductorModelContainerRun.argtypes = [pointer, pointer, size, pointer, size, pointer, pointer]
         self.handle = ctypes.c_void_p()
         self._check(
             self.lib.AOTInductorModelContainerCreateWithDevice(

@@ -83,6 +83,8 @@ class TensorRTStep:
             raise EngineFormatError(f"{config.folder}: the plan's tensors {names} are not the step contract's")
         self._dtypes = {n: _torch_dtype(trt, self._engine.get_tensor_dtype(n)) for n in names}
         self._output_buffers = self._allocate_outputs(config)
+        for name, buffer in self._output_buffers.items():  # fixed addresses: bound once
+            self._context.set_tensor_address(name, buffer.data_ptr())
         self._empty = torch.zeros(1, dtype=torch.int64, device=DEVICE)  # an address for 0-row inputs
 
     def _allocate_outputs(self, config: EngineConfig) -> dict[str, torch.Tensor]:
@@ -110,8 +112,6 @@ class TensorRTStep:
             ]
             for name, tensor in zip(self._inputs, [*device_inputs, *kv_pools], strict=True):
                 self._bind(name, tensor)
-            for name, buffer in self._output_buffers.items():
-                self._context.set_tensor_address(name, buffer.data_ptr())
             if not self._context.execute_async_v3(self._stream.cuda_stream):
                 raise RuntimeError("TensorRT execute_async_v3 failed")
             num_tokens, num_logits = device_inputs[0].shape[0], device_inputs[-1].shape[0]
