@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ifb import LLM, SamplingParams
 from ifb.builder.build import BuildOptions
-from ifb.runtime.engine_resolver import find_or_build_engine
+from ifb.find_or_build import find_or_build_engine
 from ifb.runtime.guided import GuidedDecoding
 
 SCHEMA = {

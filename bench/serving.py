@@ -26,7 +26,7 @@ from ifb.builder.build import BuildOptions
 from ifb.cli.bench_metrics import Slo, summarize
 from ifb.cli.bench_runner import ModeRun, run_against_url, run_in_process
 from ifb.cli.bench_workloads import LengthDistribution, poisson_workload
-from ifb.runtime.engine_resolver import find_or_build_engine
+from ifb.find_or_build import find_or_build_engine
 
 
 def free_port() -> int:

@@ -21,9 +21,10 @@ import torch
 
 from ifb.builder.build import BuildOptions
 from ifb.builder.sources import load_model, resolve_source
-from ifb.runtime.engine import Engine, StepMode
-from ifb.runtime.engine_resolver import find_or_build_engine
-from ifb.runtime.step_inputs import RequestSlice, build_step_inputs
+from ifb.find_or_build import find_or_build_engine
+from ifb.runtime.step.backend import StepMode
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
 CONTEXT = 256
 BATCHES = (1, 8, 32)

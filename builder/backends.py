@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from ifb.builder.compile_cpu import compile_cpu_engine
 from ifb.builder.compile_tensorrt import compile_tensorrt_engine, tensorrt_dtype
-from ifb.builder.limits import EngineLimits, normalize_dtype
-from ifb.builder.network import StepNetwork
+from ifb.builder.compiled_step import CompiledStep
+from ifb.builder.limits import normalize_dtype
+from ifb.runtime.engine_format import BackendKind, EngineLimits
+from ifb.runtime.step.network import StepNetwork
 
 STEP_PACKAGE = "step.pt2"
-
-
-class Backend(str, Enum):
-    CPU = "cpu"
-    TENSORRT = "tensorrt"
+Backend = BackendKind  # the builder's name for it (`ifb build --backend`)
 
 
 class BackendCompiler(Protocol):
@@ -26,10 +23,8 @@ class BackendCompiler(Protocol):
         """`auto` or an alias -> the dtype this backend builds; raises BuildError if unusable."""
         ...
 
-    def compile(
-        self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path
-    ) -> dict[str, Any]:
-        """Write the step artifact into `folder`; return its engine.json fields."""
+    def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
+        """Write the step artifact into `folder`."""
         ...
 
 
@@ -37,11 +32,9 @@ class CpuCompiler:
     def resolve_dtype(self, dtype: str) -> str:
         return normalize_dtype(dtype)
 
-    def compile(
-        self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path
-    ) -> dict[str, Any]:
+    def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
         compile_cpu_engine(network, limits, kv_cache, folder / STEP_PACKAGE)
-        return {"step_package": STEP_PACKAGE}
+        return CompiledStep(step_package=STEP_PACKAGE)
 
 
 class TensorRTCompiler:
@@ -50,12 +43,13 @@ class TensorRTCompiler:
     def resolve_dtype(self, dtype: str) -> str:
         return tensorrt_dtype(dtype)
 
-    def compile(
-        self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path
-    ) -> dict[str, Any]:
+    def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
         return compile_tensorrt_engine(network, limits, kv_cache, folder)
 
 
-def compiler_for(backend: Backend) -> BackendCompiler:
-    compilers: dict[Backend, BackendCompiler] = {Backend.CPU: CpuCompiler(), Backend.TENSORRT: TensorRTCompiler()}
+def compiler_for(backend: BackendKind) -> BackendCompiler:
+    compilers: dict[BackendKind, BackendCompiler] = {
+        BackendKind.CPU: CpuCompiler(),
+        BackendKind.TENSORRT: TensorRTCompiler(),
+    }
     return compilers[backend]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,17 +15,20 @@ import torch
 from safetensors.torch import save_file
 
 from ifb.builder.backends import Backend, compiler_for
+from ifb.builder.convert import hf_to_network_state_dict
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
-from ifb.builder.limits import (
+from ifb.builder.hf_config import model_spec_from_hf_config
+from ifb.builder.limits import resolve_limits
+from ifb.builder.sources import LoadedModel, ModelSource, load_model, resolve_source, source_sha256
+from ifb.runtime.engine_format import (
+    BuildOptionsRecord,
+    EngineConfig,
     EngineLimits,
-    kv_bytes_per_block,
+    EngineSource,
     kv_pool_shape,
-    resolve_limits,
 )
-from ifb.builder.model_spec import model_spec_from_hf_config
-from ifb.builder.network import StepNetwork, hf_to_network_state_dict
-from ifb.builder.sources import LoadedModel, load_model, resolve_source, source_sha256
+from ifb.runtime.step.network import StepNetwork
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ BUILDER_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUILD_STAGES = ("load", "convert", "compile", "write")
+WEIGHT_CHOICES = ("auto", "fp32")  # auto: the source's precision (today: fp32 for every source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,7 @@ class BuildOptions:
     max_seq_len: int = 2048
     block_size: int = 16
     dtype: str = "auto"
+    weights: str = "auto"
     kv_blocks: int | None = None
     kv_memory_gb: float | None = None
     backend: Backend = Backend.CPU
@@ -128,55 +134,68 @@ def build_engine(
     with atomic_engine_folder(output) as folder:
         on_stage("compile")
         kv_cache = torch.zeros(kv_pool_shape(spec, limits), dtype=getattr(torch, dtype))
-        artifact_fields = compiler.compile(network, limits, kv_cache, folder)
+        compiled = compiler.compile(network, limits, kv_cache, folder)
         del kv_cache
         t = stage("compile", t)
         on_stage("write")
         save_weights(network, inv_freq, folder / WEIGHTS_FILE)
         loaded.tokenizer.save_pretrained(str(folder / TOKENIZER_DIR))
-        kv_pool_bytes = limits.num_kv_blocks * kv_bytes_per_block(spec, limits.block_size, dtype)
         stage("write", t)
-        record = {
-            "builder_version": BUILDER_VERSION,
-            "model_name": model_source.name,
-            "model": spec.to_json(),
-            "limits": limits.to_json(),
-            "dtype": dtype,
-            "backend": options.backend.value,
-            "kv_pool": {
-                "shape": list(kv_pool_shape(spec, limits)),
-                "tokens": limits.kv_pool_tokens,
-                "bytes": kv_pool_bytes,
-            },
-            "rope_scaling": rope_scaling,
-            **artifact_fields,
-            "weights": WEIGHTS_FILE,
-            "tokenizer": {
-                "folder": TOKENIZER_DIR,
-                "has_chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
-            },
-            "source": {
-                "kind": model_source.kind.value,
-                "path": str(model_source.path),
-                "sha256": source_sha256(model_source),
-            },
-            "build": {
-                "seconds": round(time.perf_counter() - started, 2),
-                "stage_seconds": stages,
-                "torch_version": torch.__version__,
-                "machine": platform.machine(),
-                "created_unix": int(time.time()),
-            },
-        }
-        write_engine_json(folder, record)
+        config = EngineConfig(
+            model_name=model_source.name,
+            spec=spec,
+            limits=limits,
+            dtype=dtype,
+            backend=options.backend,
+            rope_scaling=rope_scaling,
+            step_package=compiled.step_package,
+            weights=WEIGHTS_FILE,
+            tokenizer_folder=TOKENIZER_DIR,
+            has_chat_template=bool(getattr(loaded.tokenizer, "chat_template", None)),
+            source=_engine_source(model_source),
+            build_id=uuid.uuid4().hex,
+            builder_version=BUILDER_VERSION,
+            build_options=_options_record(options, limits, dtype),
+            build_info=_build_info(started, stages),
+            tensorrt=compiled.tensorrt,
+            kernels=compiled.kernels,
+        )
+        write_engine_json(folder, config)
         artifact_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return BuildSummary(
         output=output,
         model_name=model_source.name,
         limits=limits,
         dtype=dtype,
-        kv_pool_bytes=kv_pool_bytes,
+        kv_pool_bytes=config.kv_pool_bytes,
         artifact_bytes=artifact_bytes,
         seconds=time.perf_counter() - started,
         stage_seconds=stages,
     )
+
+
+def _engine_source(source: ModelSource) -> EngineSource:
+    return EngineSource(kind=source.kind.value, path=str(source.path), sha256=source_sha256(source))
+
+
+def _options_record(options: BuildOptions, limits: EngineLimits, dtype: str) -> BuildOptionsRecord:
+    return BuildOptionsRecord(
+        max_batch_size=limits.max_batch_size,
+        max_num_tokens=limits.max_num_tokens,
+        max_seq_len=limits.max_seq_len,
+        block_size=limits.block_size,
+        kv_blocks=limits.num_kv_blocks,
+        dtype=dtype,
+        backend=options.backend.value,
+        weights=options.weights,
+    )
+
+
+def _build_info(started: float, stages: dict[str, float]) -> dict[str, Any]:
+    return {
+        "seconds": round(time.perf_counter() - started, 2),
+        "stage_seconds": stages,
+        "torch_version": torch.__version__,
+        "machine": platform.machine(),
+        "created_unix": int(time.time()),
+    }

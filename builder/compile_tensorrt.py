@@ -11,31 +11,21 @@ Nothing here imports tensorrt at module level: the CPU path never loads it.
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.errors import BuildError, LimitsError
-from ifb.builder.export_onnx import STEP_INPUT_DIMS, dimension_bounds, export_onnx
-from ifb.builder.limits import DTYPE_ALIASES, EngineLimits
+from ifb.builder.export_onnx import export_onnx
+from ifb.runtime.engine_format import DTYPE_ALIASES, STEP_INPUTS, EngineLimits, dimension_bounds
+from ifb.runtime.step.gpu import tensorrt_unavailable_reason, this_gpu
 
 PLAN_FILE = "step.plan"
 TENSORRT_DTYPES = ("bfloat16", "float16", "float32")
-TENSORRT_UNAVAILABLE = (
-    "the tensorrt backend needs a CUDA GPU and the [tensorrt] extra (pip install -e '.[tensorrt]'); "
-    "this ifb builds and runs --backend cpu engines"
-)
 Shape = tuple[int, ...]
-
-
-def tensorrt_unavailable_reason() -> str | None:
-    """None where a CUDA device and the tensorrt module are both present, else the message."""
-    if importlib.util.find_spec("tensorrt") is None or not torch.cuda.is_available():
-        return TENSORRT_UNAVAILABLE
-    return None
 
 
 def require_tensorrt() -> None:
@@ -79,19 +69,7 @@ def profile_shapes(limits: EngineLimits) -> dict[str, tuple[Shape, Shape, Shape]
             tuple(min(max(opt[d], bounds[d][0]), bounds[d][1]) for d in dims),
             tuple(bounds[d][1] for d in dims),
         )
-        for name, dims in STEP_INPUT_DIMS.items()
-    }
-
-
-def this_gpu() -> dict[str, Any]:
-    """What a plan is tied to: the TensorRT version and the GPU it was built on."""
-    import tensorrt as trt
-
-    major, minor = torch.cuda.get_device_capability()
-    return {
-        "version": trt.__version__,
-        "gpu_name": torch.cuda.get_device_name(),
-        "compute_capability": f"{major}.{minor}",
+        for name, dims in ((tensor.name, tensor.dims) for tensor in STEP_INPUTS)
     }
 
 
@@ -129,9 +107,9 @@ def build_plan(onnx_path: Path, limits: EngineLimits, plan_path: Path, exact_fp3
 
 def compile_tensorrt_engine(
     network: torch.nn.Module, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path
-) -> dict[str, Any]:
+) -> CompiledStep:
     """Export ONNX (in a temp dir: only the plan ships) and build `folder/step.plan`."""
     with tempfile.TemporaryDirectory(prefix="ifb-onnx-") as scratch:
         onnx_path = export_onnx(network, limits, kv_cache, Path(scratch) / "step.onnx")
         build_plan(onnx_path, limits, folder / PLAN_FILE, exact_fp32=kv_cache.dtype == torch.float32)
-    return {"step_package": PLAN_FILE, "tensorrt": this_gpu()}
+    return CompiledStep(step_package=PLAN_FILE, tensorrt=this_gpu())

@@ -1,28 +1,16 @@
-"""Write an engine folder atomically: artifacts + tokenizer + engine.json with sha256 of each."""
+"""Write an engine folder atomically: artifacts + tokenizer first, then engine.json with the sha256
+of each (the record itself comes from the runtime's engine format)."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-from ifb.builder.sources import sha256_of_file
-
-ENGINE_FORMAT_VERSION = 1
-ENGINE_JSON = "engine.json"
-
-
-def artifact_hashes(folder: Path) -> dict[str, str]:
-    """sha256 of every file under `folder` (relative paths), engine.json excluded."""
-    return {
-        str(path.relative_to(folder)): sha256_of_file(path)
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and path.name != ENGINE_JSON
-    }
+from ifb.runtime.engine_format import EngineConfig, artifact_hashes
 
 
 @contextmanager
@@ -46,6 +34,6 @@ def atomic_engine_folder(output: Path) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_engine_json(folder: Path, record: dict[str, Any]) -> None:
-    record = {"format_version": ENGINE_FORMAT_VERSION, **record, "artifacts": artifact_hashes(folder)}
-    (folder / ENGINE_JSON).write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+def write_engine_json(folder: Path, config: EngineConfig) -> None:
+    """Record the sha256 of every file already in `folder`, then write engine.json."""
+    dataclasses.replace(config, artifacts=artifact_hashes(folder)).write(folder)

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ifb.builder.compile_cpu import dynamic_shapes, sample_step_inputs
-from ifb.builder.limits import EngineLimits
-from ifb.builder.network import StepNetwork
+from ifb.builder.step_export import dynamic_shapes, sample_args
+from ifb.runtime.engine_format import STEP_INPUT_NAMES, EngineLimits, dimension_bounds, kv_pool_names
+from ifb.runtime.step.network import StepNetwork
 
 
 class _WithKvRows(nn.Module):
@@ -54,33 +54,6 @@ class _WithKvRows(nn.Module):
         return (logits, *[pool[slot_mapping] for pool in kv_pools])
 
 
-# Every dynamic step input and the named dimensions of its shape (the pools are static).
-STEP_INPUT_DIMS: dict[str, tuple[str, ...]] = {
-    "input_ids": ("num_tokens",),
-    "positions": ("num_tokens",),
-    "slot_mapping": ("num_tokens",),
-    "context_query_rows": ("num_context", "max_chunk_len"),
-    "context_block_tables": ("num_context", "context_blocks"),
-    "decode_query_rows": ("num_decode",),
-    "decode_block_tables": ("num_decode", "decode_blocks"),
-    "decode_seq_lens": ("num_decode",),
-    "logits_indices": ("num_logits",),
-}
-
-
-def dimension_bounds(limits: EngineLimits) -> dict[str, tuple[int, int]]:
-    """The [min, max] of every dynamic step dimension: what a TensorRT profile is built from."""
-    return {
-        "num_tokens": (1, limits.max_num_tokens),
-        "num_context": (0, limits.max_batch_size),
-        "max_chunk_len": (1, limits.max_num_tokens),
-        "context_blocks": (1, limits.max_blocks_per_seq),
-        "num_decode": (0, limits.max_batch_size),
-        "decode_blocks": (1, limits.max_blocks_per_seq),
-        "num_logits": (1, limits.max_batch_size),
-    }
-
-
 def export_onnx(network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, path: Path) -> Path:
     """Export `network` with the step contract's dynamic dimensions to `path` (one file)."""
     import onnx
@@ -90,7 +63,8 @@ def export_onnx(network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tens
     with torch.no_grad():
         program = torch.onnx.export(
             wrapper,
-            sample_step_inputs(limits, kv_cache),
+            sample_args(limits, kv_cache),
+            input_names=[*STEP_INPUT_NAMES, *kv_pool_names(num_pools // 2)],
             output_names=["logits", *[f"kv_rows_{i}" for i in range(num_pools)]],
             dynamic_shapes=dynamic_shapes(limits, num_pools),
             dynamo=True,

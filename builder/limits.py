@@ -1,53 +1,13 @@
-"""EngineLimits: the limits baked into an engine, and their validation against the model."""
+"""Resolve and check the limits `ifb build` bakes into an engine, against the model and each other."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
 
 from ifb.builder.errors import LimitsError
-from ifb.builder.model_spec import ModelSpec
+from ifb.runtime.engine_format import DTYPE_ALIASES, EngineLimits, ModelSpec, kv_bytes_per_block
 
 DTYPES = ("bfloat16", "float32")  # the CPU backend's; the tensorrt backend adds float16
-DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp16": "float16",
-    "float16": "float16",
-    "fp32": "float32",
-    "float32": "float32",
-}
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLimits:
-    max_batch_size: int
-    max_num_tokens: int
-    max_seq_len: int
-    block_size: int
-    num_kv_blocks: int
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return math.ceil(self.max_seq_len / self.block_size)
-
-    @property
-    def kv_pool_tokens(self) -> int:
-        return self.num_kv_blocks * self.block_size
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: str) -> int:
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
-
-
-def kv_pool_shape(spec: ModelSpec, limits: EngineLimits) -> tuple[int, int, int, int, int]:
-    """The paged pool: [layers, K/V, num_blocks * block_size slots, kv_heads, head_dim]."""
-    return (spec.num_layers, 2, limits.kv_pool_tokens, spec.num_kv_heads, spec.head_dim)
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -66,7 +26,9 @@ def normalize_dtype(dtype: str) -> str:
     if dtype == "auto":
         return "bfloat16" if cpu_has_bf16_matmul() else "float32"
     if DTYPE_ALIASES.get(dtype) not in DTYPES:
-        raise LimitsError(f"dtype {dtype!r} is not supported by the cpu backend; choose one of auto, bf16, fp32")
+        raise LimitsError(
+            f"dtype {dtype!r} is not supported by the cpu backend; choose one of auto, bfloat16 (bf16), float32 (fp32)"
+        )
     return DTYPE_ALIASES[dtype]
 
 

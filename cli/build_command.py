@@ -7,10 +7,11 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from ifb.builder.build import BUILD_STAGES, Backend, BuildOptions, BuildSummary, build_engine
+from ifb.builder.build import BUILD_STAGES, WEIGHT_CHOICES, Backend, BuildOptions, BuildSummary, build_engine
 from ifb.builder.errors import BuildError
 from ifb.builder.sources import resolve_source
-from ifb.runtime.engine_resolver import DEFAULT_ENGINES_DIR, engine_name
+from ifb.find_or_build import DEFAULT_ENGINES_DIR, engine_name
+from ifb.runtime.engine_format import DTYPE_ALIASES
 
 
 def format_summary(summary: BuildSummary) -> str:
@@ -54,11 +55,19 @@ def run_build(source: str | None, output: Path, options: BuildOptions) -> BuildS
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+    type=click.Choice(["auto", *DTYPE_ALIASES], case_sensitive=False),
     default="auto",
     show_default=True,
-    help="auto: cpu backend: bf16 where the CPU has bf16 matrix units (AMX/AVX512-BF16), else fp32; "
+    help="Activation/KV dtype (vLLM and TensorRT-LLM spellings: float32/fp32, bfloat16/bf16, float16/fp16). "
+    "auto: cpu backend: bf16 where the CPU has bf16 matrix units (AMX/AVX512-BF16), else fp32; "
     "tensorrt backend: bf16 on compute capability >= 8.0, else fp16. fp16 is tensorrt only.",
+)
+@click.option(
+    "--weights",
+    type=click.Choice(WEIGHT_CHOICES),
+    default="auto",
+    show_default=True,
+    help="How weights are stored: auto keeps the source's precision; fp32 dequantizes everything.",
 )
 @click.option("--backend", type=click.Choice([b.value for b in Backend]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Engine folder.")
@@ -71,6 +80,7 @@ def build(
     kv_memory: float | None,
     block_size: int,
     dtype: str,
+    weights: str,
     backend: str,
     output: Path | None,
 ) -> None:
@@ -81,6 +91,7 @@ def build(
         max_seq_len=max_seq_len,
         block_size=block_size,
         dtype=dtype,
+        weights=weights,
         kv_blocks=kv_blocks,
         kv_memory_gb=kv_memory,
         backend=Backend(backend),

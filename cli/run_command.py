@@ -83,7 +83,7 @@ def run(
 
     A SOURCE reuses a matching engine under engines/ or builds one first.
     """
-    from ifb.runtime.llm import LLM
+    from ifb.llm import LLM
 
     defaults = BuildOptions()
     build_options = BuildOptions(

@@ -8,9 +8,9 @@ __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so `import ifb.builder` does not pull in the whole runtime.
+    # Lazy, so `import ifb.builder` does not pull in the whole runtime (nor the runtime the builder).
     if name == "LLM":
-        from ifb.runtime.llm import LLM
+        from ifb.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ifb.runtime.detokenizer import IncrementalDetokenizer
-from ifb.runtime.engine import Engine
 from ifb.runtime.engine_threads import run_on_engine_thread
 from ifb.runtime.guided import fill_bitmask
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
 from ifb.runtime.request import FinishReason, Request
 from ifb.runtime.sampler import Sampler
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler
-from ifb.runtime.step_inputs import RequestSlice, build_step_inputs
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
 logger = logging.getLogger(__name__)
 

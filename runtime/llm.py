@@ -7,6 +7,7 @@ caller blocks (or gets QueueFullError with block=False or on timeout).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import os
@@ -21,66 +22,34 @@ from typing import Any
 
 import torch
 
-from ifb.builder.build import BuildOptions
 from ifb.runtime.admission import AdmissionGate, check_prompt
-from ifb.runtime.engine import Engine, StepMode
-from ifb.runtime.engine_config import load_engine_config
-from ifb.runtime.engine_resolver import DEFAULT_ENGINES_DIR, find_or_build_engine
+from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.executor import Executor
 from ifb.runtime.guided import GrammarCompiler
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.loop_mailbox import LoopMailbox
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
-from ifb.runtime.policies import (
-    CapacityPolicyKind,
-    ChunkingPolicyKind,
-    make_capacity_policy,
-    make_chunking_policy,
-)
+from ifb.runtime.policies import make_capacity_policy, make_chunking_policy
 from ifb.runtime.request import Request, RequestTimes
-from ifb.runtime.runtime_config import RuntimeConfig, resolve_runtime_config
+from ifb.runtime.runtime_config import RuntimeConfig, RuntimeSettings, resolve_runtime_config
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
+from ifb.runtime.step.engine import Engine
 
 Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(
-        self,
-        engine: str | Path | None = None,
-        *,
-        max_batch_size: int | None = None,
-        max_num_tokens: int | None = None,
-        max_queued_requests: int = 64,
-        policy: CapacityPolicyKind | str = CapacityPolicyKind.GUARANTEED_NO_EVICT,
-        chunking: ChunkingPolicyKind | str = ChunkingPolicyKind.FIRST_COME_FIRST_SERVED,
-        enable_prefix_reuse: bool = True,
-        default_max_tokens: int = 512,
-        kv_blocks: int | None = None,
-        step_mode: StepMode | str = StepMode.COMPILED,
-        engines_dir: Path = DEFAULT_ENGINES_DIR,
-        build_options: BuildOptions | None = None,
-    ) -> None:
+    def __init__(self, engine: str | Path, settings: RuntimeSettings | None = None, **overrides: Any) -> None:
+        """`engine` is an engine folder; `overrides` are RuntimeSettings fields by name."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
-        folder = find_or_build_engine(engine, build_options or BuildOptions(), engines_dir)
-        self.engine_config = load_engine_config(folder)
-        mode = StepMode(step_mode)
-        self.config: RuntimeConfig = resolve_runtime_config(
-            self.engine_config,
-            max_batch_size=max_batch_size,
-            max_num_tokens=max_num_tokens,
-            max_queued_requests=max_queued_requests,
-            policy=policy,
-            chunking=chunking,
-            enable_prefix_reuse=enable_prefix_reuse,
-            default_max_tokens=default_max_tokens,
-            kv_blocks=kv_blocks,
-        )
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_folder))
+        self.settings = dataclasses.replace(settings or RuntimeSettings(), **overrides)
+        self.engine_config = EngineConfig.load(engine)
+        self.config: RuntimeConfig = resolve_runtime_config(self.engine_config, self.settings)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_path))
         limits = self.engine_config.limits
         kv = KVCacheManager(self.config.num_kv_blocks, limits.block_size, self.config.enable_prefix_reuse)
         self.scheduler = Scheduler(
@@ -89,7 +58,9 @@ class LLM:
             make_capacity_policy(self.config.policy, kv),
             make_chunking_policy(self.config.chunking),
         )
-        self.executor = Executor(lambda: Engine(self.engine_config, mode), self.scheduler, self.tokenizer)
+        self.executor = Executor(
+            lambda: Engine(self.engine_config, self.settings.step_mode), self.scheduler, self.tokenizer
+        )
         self.gate = AdmissionGate(self.config.max_batch_size + self.config.max_queued_requests)
         self.eos_token_ids = frozenset(self.engine_config.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()

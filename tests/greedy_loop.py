@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ifb.runtime.engine import Engine
-from ifb.runtime.step_inputs import RequestSlice, build_step_inputs
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
 
 def scattered_blocks(engine: Engine, num_tokens: int, stride: int = 7) -> list[int]:

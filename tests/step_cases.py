@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ifb.runtime.engine import Engine
-from ifb.runtime.step_inputs import RequestSlice, build_step_inputs
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
 FP32_TOLERANCE = 2e-4  # max abs logit difference, fp32, logits of magnitude ~1-10
 

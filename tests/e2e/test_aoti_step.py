@@ -11,14 +11,16 @@ from pathlib import Path
 import torch
 from step_cases import run_mixed_step
 
-from ifb.runtime.aoti_step import AotiStep
-from ifb.runtime.engine import Engine
+from ifb.runtime.step.aoti_step import AotiStep
+from ifb.runtime.step.backend import NetworkStep
+from ifb.runtime.step.engine import Engine
 
 
 def test_equals_torchs_own_loader_bit_for_bit(tiny_llama_engine: Path) -> None:
     ours = Engine.load(tiny_llama_engine)
-    assert isinstance(ours._step, AotiStep)
+    assert isinstance(ours.backend, AotiStep)
     theirs = Engine.load(tiny_llama_engine)
-    theirs._step = torch._inductor.aoti_load_package(str(theirs.config.step_package))
+    runner = torch._inductor.aoti_load_package(str(theirs.config.step_package_path))
+    theirs.backend = NetworkStep(runner)  # torch's loader, called like our network
     assert torch.equal(run_mixed_step(ours), run_mixed_step(theirs))
     assert torch.equal(ours.kv_cache, theirs.kv_cache)

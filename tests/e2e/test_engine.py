@@ -10,8 +10,9 @@ from greedy_loop import greedy_generate, scattered_blocks
 from step_cases import FP32_TOLERANCE, mixed_step_slices, prompts, run_mixed_step
 from transformers import AutoModelForCausalLM
 
-from ifb.runtime.engine import Engine, StepMode
-from ifb.runtime.step_inputs import RequestSlice, build_step_inputs
+from ifb.runtime.step.backend import StepMode
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
 
 def hf_model(folder: Path) -> torch.nn.Module:

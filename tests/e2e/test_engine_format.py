@@ -15,9 +15,10 @@ from transformers import GPT2Config
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.errors import SourceError, UnsupportedModelError
 from ifb.cli.main import cli
-from ifb.runtime.engine import Engine
+from ifb.runtime.engine_format import ENGINE_FORMAT_VERSION, EngineConfig
 from ifb.runtime.errors import EngineFormatError, LimitExceededError
 from ifb.runtime.llm import LLM
+from ifb.runtime.step.engine import Engine
 
 
 @pytest.fixture()
@@ -34,7 +35,7 @@ def test_engine_json_records_limits_and_hashes(tiny_llama_engine: Path) -> None:
         "block_size": 16,
         "num_kv_blocks": 48,
     }
-    assert record["backend"] == "cpu" and record["dtype"] == "float32" and record["format_version"] == 1
+    assert record["backend"] == "cpu" and record["dtype"] == "float32" and record["format_version"] == ENGINE_FORMAT_VERSION
     assert {"step.pt2", "weights.safetensors", "tokenizer/tokenizer.json"} <= set(record["artifacts"])
     assert len(record["source"]["sha256"]) == 64 and record["tokenizer"]["has_chat_template"]
 
@@ -60,6 +61,49 @@ def test_wrong_format_version_is_refused(engine_copy: Path) -> None:
     path.write_text(json.dumps(record))
     with pytest.raises(EngineFormatError, match="format_version 99"):
         Engine.load(engine_copy)
+
+
+def test_engine_json_round_trips_through_the_typed_record(tiny_llama_engine: Path) -> None:
+    config = EngineConfig.load(tiny_llama_engine)
+    assert EngineConfig.from_json(config.to_json(), config.folder) == config
+    assert json.loads((tiny_llama_engine / "engine.json").read_text()) == json.loads(json.dumps(config.to_json()))
+
+
+@pytest.mark.parametrize("field", ["step_package", "weights"])
+def test_paths_outside_the_engine_folder_are_refused(engine_copy: Path, field: str) -> None:
+    path = engine_copy / "engine.json"
+    record = json.loads(path.read_text())
+    record[field] = "../../etc/passwd"
+    path.write_text(json.dumps(record))
+    with pytest.raises(EngineFormatError, match=f"{field}.*outside the engine folder"):
+        EngineConfig.load(engine_copy, verify=False)
+
+
+def test_missing_field_is_named(engine_copy: Path) -> None:
+    path = engine_copy / "engine.json"
+    record = json.loads(path.read_text())
+    del record["limits"]
+    path.write_text(json.dumps(record))
+    with pytest.raises(EngineFormatError, match="missing field 'limits'"):
+        EngineConfig.load(engine_copy)
+
+
+def test_rebuild_hint_is_a_command_the_real_cli_accepts(tiny_llama_engine: Path) -> None:
+    """The printed command, pasted into `ifb build`'s own parser, reproduces every build option."""
+    import shlex
+
+    from ifb.cli.build_command import build
+
+    config = EngineConfig.load(tiny_llama_engine)
+    words = shlex.split(config.rebuild_command(max_batch_size=16))
+    assert words[:2] == ["ifb", "build"]
+    context = build.make_context("build", words[2:])
+    params = context.params
+    assert params["max_batch_size"] == 16 and params["output"] == tiny_llama_engine.resolve()
+    options = config.build_options
+    for name in ("max_num_tokens", "max_seq_len", "block_size", "dtype", "backend", "weights"):
+        assert str(params[name]) == str(getattr(options, name)), name
+    assert params["kv_blocks"] == options.kv_blocks and params["source"] == config.source.path
 
 
 def test_runtime_may_lower_but_never_raise_a_limit(tiny_llama_engine: Path) -> None:

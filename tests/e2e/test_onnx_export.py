@@ -10,9 +10,11 @@ import pytest
 import torch
 from step_cases import FP32_TOLERANCE, run_mixed_step
 
-from ifb.builder.export_onnx import STEP_INPUT_DIMS, dimension_bounds, export_onnx
-from ifb.runtime.engine import Engine, StepMode, load_network
-from ifb.runtime.onnx_step import OnnxStep
+from ifb.builder.export_onnx import export_onnx
+from ifb.runtime.engine_format import STEP_INPUTS, dimension_bounds
+from ifb.runtime.step.backend import StepMode, load_network
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.onnx_step import OnnxStep
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def test_onnxruntime_matches_the_torch_reference_on_mixed_steps(tiny_llama_engin
     """Warm-up then a step mixing two prefill chunks and two decodes over scattered blocks."""
     reference = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
     via_onnx = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
-    via_onnx._step = OnnxStep(onnx_path)  # same Engine, the ONNX graph as its step
+    via_onnx.backend = OnnxStep(onnx_path)  # same Engine, the ONNX graph as its step
     expected, actual = run_mixed_step(reference), run_mixed_step(via_onnx)
     assert actual.shape == expected.shape == (4, reference.config.spec.vocab_size)
     assert (actual - expected).abs().max().item() < FP32_TOLERANCE
@@ -55,7 +57,7 @@ def test_greedy_through_onnxruntime_equals_the_compiled_engine(tiny_llama_engine
 
     compiled = Engine.load(tiny_llama_engine, StepMode.COMPILED)
     via_onnx = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
-    via_onnx._step = OnnxStep(onnx_path)
+    via_onnx.backend = OnnxStep(onnx_path)
     prompt = torch.arange(3, 40).tolist()
     assert greedy_generate(via_onnx, prompt, 16, chunk=16) == greedy_generate(compiled, prompt, 16, chunk=16)
 
@@ -75,7 +77,7 @@ def test_tensorrt_profile_covers_every_dynamic_input_with_the_graphs_own_dimensi
     assert set(profile) == dynamic_inputs
     bounds = dimension_bounds(limits)
     symbol_of: dict[str, str] = {}
-    for name, dims in STEP_INPUT_DIMS.items():
+    for name, dims in ((tensor.name, tensor.dims) for tensor in STEP_INPUTS):
         low, opt, high = profile[name]
         assert len(low) == len(opt) == len(high) == len(graph_dims[name]) == len(dims)
         for dim, symbol, a, b, c in zip(dims, graph_dims[name], low, opt, high, strict=True):

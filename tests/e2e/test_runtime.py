@@ -11,10 +11,11 @@ import pytest
 from greedy_loop import greedy_generate
 
 from ifb import LLM, SamplingParams
-from ifb.runtime.engine import Engine, StepMode
 from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason
+from ifb.runtime.step.backend import StepMode
+from ifb.runtime.step.engine import Engine
 
 
 def workload(seed: int, n: int = 32) -> list[tuple[list[int], int]]:

@@ -11,7 +11,8 @@ from greedy_loop import greedy_generate
 from ifb import LLM, SamplingParams
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.sources import load_model, resolve_source
-from ifb.runtime.engine import Engine, StepMode
+from ifb.runtime.step.backend import StepMode
+from ifb.runtime.step.engine import Engine
 
 pytestmark = pytest.mark.slow
 

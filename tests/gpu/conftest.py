@@ -9,7 +9,7 @@ import pytest
 from tiny_models import TINY_LIMITS
 
 from ifb.builder.build import Backend, BuildOptions, build_engine
-from ifb.builder.compile_tensorrt import tensorrt_unavailable_reason
+from ifb.runtime.step.gpu import tensorrt_unavailable_reason
 
 UNAVAILABLE = tensorrt_unavailable_reason()
 

@@ -13,10 +13,11 @@ from greedy_loop import greedy_generate
 from server_harness import running_server
 from step_cases import prompts, run_mixed_step
 
-from ifb.runtime.engine import Engine, StepMode
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.llm import LLM
 from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.step.backend import StepMode
+from ifb.runtime.step.engine import Engine
 
 GPU_FP32_TOLERANCE = 1e-3  # fp32 with TF32 off; GPU reduction order differs from the CPU's
 

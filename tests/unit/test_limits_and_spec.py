@@ -6,8 +6,8 @@ import pytest
 from transformers import GPT2Config, LlamaConfig
 
 from ifb.builder.errors import LimitsError, UnsupportedModelError
+from ifb.builder.hf_config import model_spec_from_hf_config
 from ifb.builder.limits import resolve_limits
-from ifb.builder.model_spec import model_spec_from_hf_config
 
 SPEC = model_spec_from_hf_config(
     LlamaConfig(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ifb.runtime.errors import EngineFormatError
+from ifb.runtime.step.step_inputs import StepInputs
 
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
@@ -85,7 +86,9 @@ class _Container:
 
 
 class AotiStep:
-    """Callable like the step network: (*step_inputs, kv_pools) -> logits."""
+    """The CPU backend's StepBackend: the compiled step, called without the GIL."""
+
+    device = torch.device("cpu")
 
     def __init__(self, package: Path) -> None:
         scratch = Path(tempfile.mkdtemp(prefix="ifb-step-"))
@@ -96,10 +99,8 @@ class AotiStep:
             shutil.rmtree(scratch, ignore_errors=True)  # dlopen keeps its mapping; no file is left
         self._finalizer = weakref.finalize(self, self._container.close)
 
-    def __call__(self, *args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        *step_inputs, kv_pools = args
-        assert isinstance(kv_pools, list)
-        flat = [t for t in step_inputs if isinstance(t, torch.Tensor)] + kv_pools
+    def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor:
+        flat = [*inputs.as_args(), *kv_pools]
         if len(flat) != self._container.num_inputs:
             raise ValueError(f"compiled step takes {self._container.num_inputs} tensors, got {len(flat)}")
         (logits,) = self._container.run(flat)

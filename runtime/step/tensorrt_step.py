@@ -13,17 +13,17 @@ from typing import Any
 
 import torch
 
-from ifb.builder.compile_tensorrt import this_gpu
-from ifb.builder.export_onnx import STEP_INPUT_DIMS
-from ifb.runtime.engine_config import EngineConfig
+from ifb.runtime.engine_format import STEP_INPUT_NAMES, EngineConfig, TensorRTPlanInfo, kv_pool_names
 from ifb.runtime.errors import EngineFormatError
+from ifb.runtime.step.gpu import this_gpu
+from ifb.runtime.step.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
 DEVICE = torch.device("cuda")
 
 
-def plan_mismatch(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
+def plan_mismatch(recorded: TensorRTPlanInfo | None, current: TensorRTPlanInfo) -> str | None:
     """Why a plan built for `recorded` cannot run here (`current`), or None. Plans are specific
     to the TensorRT version and the GPU model they were built on."""
     for key, what in (
@@ -31,18 +31,14 @@ def plan_mismatch(recorded: dict[str, Any], current: dict[str, Any]) -> str | No
         ("gpu_name", "GPU"),
         ("compute_capability", "compute capability"),
     ):
-        if recorded.get(key) != current.get(key):
-            return f"built for {what} {recorded.get(key)!r}, this machine has {current.get(key)!r}"
+        built_for = None if recorded is None else getattr(recorded, key)
+        if built_for != getattr(current, key):
+            return f"built for {what} {built_for!r}, this machine has {getattr(current, key)!r}"
     return None
 
 
 def rebuild_hint(config: EngineConfig) -> str:
-    limits = config.limits
-    return (
-        f"rebuild it here: ifb build {config.record.get('source', {}).get('path', 'SOURCE')} --backend tensorrt "
-        f"--max-batch-size {limits.max_batch_size} --max-num-tokens {limits.max_num_tokens} "
-        f"--max-seq-len {limits.max_seq_len} -o {config.folder}"
-    )
+    return f"rebuild it here: {config.rebuild_command()}"
 
 
 def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
@@ -57,19 +53,19 @@ def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
 
 
 class TensorRTStep:
-    """Same call signature as the compiled CPU step: (*step_inputs, kv_pools) -> logits."""
+    """The TensorRT backend's StepBackend; the KV pools live on the GPU."""
 
     device = DEVICE
 
     def __init__(self, config: EngineConfig) -> None:
         import tensorrt as trt
 
-        problem = plan_mismatch(config.record.get("tensorrt", {}), this_gpu())
+        problem = plan_mismatch(config.tensorrt, this_gpu())
         if problem is not None:
             raise EngineFormatError(f"{config.folder}: TensorRT plan {problem}; {rebuild_hint(config)}")
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
-        self._engine = self._runtime.deserialize_cuda_engine(config.step_package.read_bytes())
+        self._engine = self._runtime.deserialize_cuda_engine(config.step_package_path.read_bytes())
         if self._engine is None:
             raise EngineFormatError(f"{config.folder}: TensorRT could not load the plan; {rebuild_hint(config)}")
         self._context = self._engine.create_execution_context()
@@ -77,7 +73,7 @@ class TensorRTStep:
         names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
         num_pools = 2 * config.spec.num_layers
         # Bound by name in the step contract's order (the plan's own I/O order is not promised).
-        self._inputs = [*STEP_INPUT_DIMS, *(f"kv_pools_{i}" for i in range(num_pools))]
+        self._inputs = [*STEP_INPUT_NAMES, *kv_pool_names(config.spec.num_layers)]
         self._outputs = ["logits", *(f"kv_rows_{i}" for i in range(num_pools))]
         if sorted(names) != sorted(self._inputs + self._outputs):
             raise EngineFormatError(f"{config.folder}: the plan's tensors {names} are not the step contract's")
@@ -101,14 +97,11 @@ class TensorRTStep:
         self._context.set_input_shape(name, tuple(tensor.shape))
         self._context.set_tensor_address(name, tensor.data_ptr() if tensor.numel() else self._empty.data_ptr())
 
-    def __call__(self, *args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        *step_inputs, kv_pools = args
-        assert isinstance(kv_pools, list)
+    def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor:
         with torch.cuda.stream(self._stream):
             device_inputs = [
                 t.to(DEVICE, dtype=self._dtypes[name], non_blocking=True)
-                for name, t in zip(self._inputs, step_inputs, strict=False)
-                if isinstance(t, torch.Tensor)
+                for name, t in zip(STEP_INPUT_NAMES, inputs.as_args(), strict=True)
             ]
             for name, tensor in zip(self._inputs, [*device_inputs, *kv_pools], strict=True):
                 self._bind(name, tensor)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ifb.runtime.engine_format import STEP_INPUT_NAMES
+
 
 @dataclass(frozen=True, slots=True)
 class RequestSlice:
@@ -25,6 +27,8 @@ class RequestSlice:
 
 @dataclass(frozen=True, slots=True)
 class StepInputs:
+    """The step contract's tensors; field names and order are `STEP_INPUT_NAMES` (tested)."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -40,17 +44,8 @@ class StepInputs:
         return int(self.input_ids.shape[0])
 
     def as_args(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.context_query_rows,
-            self.context_block_tables,
-            self.decode_query_rows,
-            self.decode_block_tables,
-            self.decode_seq_lens,
-            self.logits_indices,
-        )
+        """The tensors in the contract's order: the compiled step's positional inputs."""
+        return tuple(getattr(self, name) for name in STEP_INPUT_NAMES)
 
 
 def _padded(rows: list[list[int]], width: int) -> torch.Tensor:

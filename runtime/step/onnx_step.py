@@ -9,8 +9,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ifb.runtime.step.step_inputs import StepInputs
+
 
 class OnnxStep:
+    """A StepBackend over an exported ONNX step graph (onnxruntime, CPU)."""
+
+    device = torch.device("cpu")
+
     def __init__(self, path: Path) -> None:
         import onnxruntime
 
@@ -19,13 +25,10 @@ class OnnxStep:
         self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
 
-    def __call__(self, *args: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        *step_inputs, kv_pools = args
-        assert isinstance(kv_pools, list)
-        values = [t.numpy() for t in step_inputs if isinstance(t, torch.Tensor)] + [p.numpy() for p in kv_pools]
+    def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor:
+        values = [t.numpy() for t in inputs.as_args()] + [p.numpy() for p in kv_pools]
         outputs = self.session.run(None, dict(zip(self.input_names, values, strict=True)))
-        slot_mapping = step_inputs[2]
-        assert isinstance(slot_mapping, torch.Tensor)
+        slot_mapping = inputs.slot_mapping
         for pool, rows in zip(kv_pools, outputs[1:], strict=True):
             pool.index_copy_(0, slot_mapping, torch.from_numpy(np.ascontiguousarray(rows)))
         return torch.from_numpy(outputs[0])

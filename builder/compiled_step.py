@@ -1,0 +1,14 @@
+"""CompiledStep: what a backend compiler leaves in the engine folder, for engine.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ifb.runtime.engine_format import KernelLibraryInfo, TensorRTPlanInfo
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledStep:
+    step_package: str  # relative to the engine folder
+    tensorrt: TensorRTPlanInfo | None = None
+    kernels: KernelLibraryInfo | None = None

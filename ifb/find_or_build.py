@@ -1,0 +1,104 @@
+"""Find or build the engine for an `ifb run` / `LLM(...)` target: an engine folder as given, else
+an engine this ifb built earlier from the same source under engines/, else a new build ("rebuild
+when the limits change"). Sits above the builder and the runtime; neither imports it.
+
+Only engines this facade built itself are adopted: their build ids are recorded in
+`engines/.ifb-built.json` when they are built. Any other folder under engines/ that claims the
+same source is ignored (an engine runs native code; see the README's security note).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from ifb.builder.build import BuildOptions, BuildSummary, build_dtype, build_engine
+from ifb.builder.sources import resolve_source, source_sha256
+from ifb.runtime.engine_format import ENGINE_JSON, BackendKind
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENGINES_DIR = Path("engines")
+BUILT_REGISTRY = ".ifb-built.json"
+
+
+def engine_name(source_name: str, options: BuildOptions) -> str:
+    return (
+        f"{source_name.lower()}-b{options.max_batch_size}-t{options.max_num_tokens}"
+        f"-s{options.max_seq_len}-{build_dtype(options)}"
+        + ("" if options.backend is BackendKind.CPU else f"-{options.backend.value}")
+    )
+
+
+def _built_ids(engines_dir: Path) -> set[str]:
+    path = engines_dir / BUILT_REGISTRY
+    try:
+        return set(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
+def _remember(engines_dir: Path, build_id: str) -> None:
+    ids = _built_ids(engines_dir) | {build_id}
+    (engines_dir / BUILT_REGISTRY).write_text(json.dumps(sorted(ids)) + "\n")
+
+
+def _matches(record: dict, sha256: str, options: BuildOptions, built: set[str]) -> bool:
+    limits = record.get("limits", {})
+    return (
+        record.get("build_id") in built
+        and record.get("source", {}).get("sha256") == sha256
+        and record.get("dtype") == build_dtype(options)
+        and record.get("backend") == options.backend.value
+        and limits.get("max_batch_size", 0) >= options.max_batch_size
+        and limits.get("max_num_tokens", 0) >= options.max_num_tokens
+        and limits.get("max_seq_len", 0) >= options.max_seq_len
+    )
+
+
+def _read_record(folder: Path) -> dict:
+    try:
+        record = json.loads((folder / ENGINE_JSON).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def find_or_build_engine(
+    target: str | Path | None, options: BuildOptions, engines_dir: Path = DEFAULT_ENGINES_DIR
+) -> Path:
+    """An engine folder as given, else a matching engine built here earlier, else a new build."""
+    if target is not None and (Path(target) / ENGINE_JSON).is_file():
+        return Path(target)
+    source = resolve_source(target)
+    sha256 = source_sha256(source)
+    built = _built_ids(engines_dir)
+    if engines_dir.is_dir():
+        for candidate in sorted(p for p in engines_dir.iterdir() if p.is_dir()):
+            if _matches(_read_record(candidate), sha256, options, built):
+                logger.info("using engine %s", candidate)
+                return candidate
+    output = engines_dir / engine_name(source.name, options)
+    logger.info("no engine under %s matches %s; building %s", engines_dir, source.name, output)
+    build_in_child_process(target, output, options)
+    _remember(engines_dir, _read_record(output)["build_id"])
+    return output
+
+
+def build_in_child_process(target: str | Path | None, output: Path, options: BuildOptions) -> BuildSummary:
+    """The builder, called as a library in a fresh (spawned) process: the serving process keeps no
+    OpenMP thread team of the builder's (see runtime/executor.py) and none of its memory.
+    A BuildError raised there is raised here."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_build, target, output, options).result()
+
+
+def _build(target: str | Path | None, output: Path, options: BuildOptions) -> BuildSummary:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    summary = build_engine(target, output, options, on_stage=lambda stage: logger.info("build: %s", stage))
+    logger.info("built %s in %.1fs", summary.output, summary.seconds)
+    return summary

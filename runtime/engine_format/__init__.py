@@ -1,0 +1,55 @@
+"""The engine format, owned by the runtime: model spec, baked limits, engine.json, the KV pool's
+shape and the step-input contract. The builder writes engines by calling this; it never
+defines a field of its own."""
+
+from ifb.runtime.engine_format.artifacts import ENGINE_JSON, artifact_hashes, sha256_of_file
+from ifb.runtime.engine_format.config import (
+    ENGINE_FORMAT_VERSION,
+    BackendKind,
+    BuildOptionsRecord,
+    EngineConfig,
+    EngineSource,
+    KernelLibraryInfo,
+    TensorRTPlanInfo,
+)
+from ifb.runtime.engine_format.limits import (
+    DTYPE_ALIASES,
+    DTYPE_BYTES,
+    EngineLimits,
+    kv_bytes_per_block,
+    kv_pool_shape,
+)
+from ifb.runtime.engine_format.model_spec import ModelSpec
+from ifb.runtime.engine_format.step_spec import (
+    KV_POOLS_ARGUMENT,
+    STEP_INPUT_NAMES,
+    STEP_INPUTS,
+    StepTensor,
+    dimension_bounds,
+    kv_pool_names,
+)
+
+__all__ = [
+    "DTYPE_ALIASES",
+    "DTYPE_BYTES",
+    "ENGINE_FORMAT_VERSION",
+    "ENGINE_JSON",
+    "KV_POOLS_ARGUMENT",
+    "STEP_INPUTS",
+    "STEP_INPUT_NAMES",
+    "BackendKind",
+    "BuildOptionsRecord",
+    "EngineConfig",
+    "EngineLimits",
+    "EngineSource",
+    "KernelLibraryInfo",
+    "ModelSpec",
+    "StepTensor",
+    "TensorRTPlanInfo",
+    "artifact_hashes",
+    "dimension_bounds",
+    "kv_bytes_per_block",
+    "kv_pool_names",
+    "kv_pool_shape",
+    "sha256_of_file",
+]

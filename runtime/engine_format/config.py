@@ -1,0 +1,247 @@
+"""EngineConfig: engine.json as one typed record, written by the builder and read by the runtime.
+
+The runtime owns this schema. `to_json` is the only writer and `load` the only reader, so a
+field is added in one place; unknown or missing fields and paths leaving the engine folder are
+refused with the file and the field named.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ifb.runtime.engine_format.artifacts import ENGINE_JSON, confined_path, verify_artifacts
+from ifb.runtime.engine_format.limits import EngineLimits, kv_bytes_per_block, kv_pool_shape
+from ifb.runtime.engine_format.model_spec import ModelSpec
+from ifb.runtime.errors import EngineFormatError
+
+ENGINE_FORMAT_VERSION = 2  # 2: typed record with build_id, build_options and kernel/tensorrt sections
+
+
+class BackendKind(str, Enum):
+    """What runs an engine's compiled step; the value is `ifb build --backend`'s."""
+
+    CPU = "cpu"
+    TENSORRT = "tensorrt"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSource:
+    kind: str  # hf_folder | gguf | default
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRTPlanInfo:
+    """What a TensorRT plan is tied to: it runs only on the same TensorRT version and GPU."""
+
+    version: str
+    gpu_name: str
+    compute_capability: str
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLibraryInfo:
+    """The engine's own weight kernels (plugins/), compiled for the building CPU's ISA."""
+
+    path: str
+    isa: str
+    cpu_features: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptionsRecord:
+    """The `ifb build` options as resolved, so a rebuild hint can reproduce every one of them."""
+
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    block_size: int
+    kv_blocks: int
+    dtype: str
+    backend: str
+    weights: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_name: str
+    spec: ModelSpec
+    limits: EngineLimits
+    dtype: str
+    backend: BackendKind
+    rope_scaling: float
+    step_package: str
+    weights: str
+    tokenizer_folder: str
+    has_chat_template: bool
+    source: EngineSource
+    build_id: str
+    builder_version: str
+    build_options: BuildOptionsRecord
+    build_info: dict[str, Any] = field(default_factory=dict)  # timings, versions, cpu: informational
+    tensorrt: TensorRTPlanInfo | None = None
+    kernels: KernelLibraryInfo | None = None
+    artifacts: dict[str, str] = field(default_factory=dict)
+    folder: Path = Path(".")  # where it was loaded from; not part of the record
+
+    # -- paths inside the engine folder ------------------------------------------------------
+    def path(self, relative: str, what: str) -> Path:
+        return confined_path(self.folder, relative, what)
+
+    @property
+    def step_package_path(self) -> Path:
+        return self.path(self.step_package, "step_package")
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path(self.weights, "weights")
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path(self.tokenizer_folder, "tokenizer.folder")
+
+    @property
+    def kernels_path(self) -> Path | None:
+        return None if self.kernels is None else self.path(self.kernels.path, "kernels.path")
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.limits.num_kv_blocks * kv_bytes_per_block(self.spec, self.limits.block_size, self.dtype)
+
+    def rebuild_command(self, **overrides: int) -> str:
+        """The `ifb build` command that rebuilds this engine with every option it was built with,
+        `overrides` (build option names, e.g. max_batch_size=32) applied."""
+        options = replace(self.build_options, **overrides)  # type: ignore[arg-type]
+        flags = [
+            ("--max-batch-size", options.max_batch_size),
+            ("--max-num-tokens", options.max_num_tokens),
+            ("--max-seq-len", options.max_seq_len),
+            ("--block-size", options.block_size),
+            ("--kv-blocks", options.kv_blocks),
+            ("--dtype", options.dtype),
+            ("--backend", options.backend),
+            ("--weights", options.weights),
+        ]
+        words = ["ifb", "build"] + ([self.source.path] if self.source.kind != "default" else [])
+        for flag, value in flags:
+            words += [flag, str(value)]
+        words += ["-o", str(self.folder)]
+        return shlex.join(words)
+
+    # -- engine.json ---------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": ENGINE_FORMAT_VERSION,
+            "build_id": self.build_id,
+            "builder_version": self.builder_version,
+            "model_name": self.model_name,
+            "model": self.spec.to_json(),
+            "limits": self.limits.to_json(),
+            "dtype": self.dtype,
+            "backend": self.backend.value,
+            "kv_pool": {
+                "shape": list(kv_pool_shape(self.spec, self.limits)),
+                "tokens": self.limits.kv_pool_tokens,
+                "bytes": self.kv_pool_bytes,
+            },
+            "rope_scaling": self.rope_scaling,
+            "step_package": self.step_package,
+            "weights": self.weights,
+            "tokenizer": {"folder": self.tokenizer_folder, "has_chat_template": self.has_chat_template},
+            "source": _asdict(self.source),
+            "build_options": _asdict(self.build_options),
+            "build": self.build_info,
+            "tensorrt": None if self.tensorrt is None else _asdict(self.tensorrt),
+            "kernels": None if self.kernels is None else _asdict(self.kernels),
+            "artifacts": self.artifacts,
+        }
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any], folder: Path) -> EngineConfig:
+        where = folder / ENGINE_JSON
+        version = record.get("format_version")
+        if version != ENGINE_FORMAT_VERSION:
+            raise EngineFormatError(
+                f"format_version {version} of {where} is not supported (this ifb reads version "
+                f"{ENGINE_FORMAT_VERSION}); rebuild the engine with `ifb build`"
+            )
+        read = _Reader(record, where)
+        try:
+            kernels = read.optional("kernels")
+            return cls(
+                model_name=read.field("model_name"),
+                spec=ModelSpec.from_json(read.field("model")),
+                limits=EngineLimits(**read.field("limits")),
+                dtype=read.field("dtype"),
+                backend=BackendKind(read.field("backend")),
+                rope_scaling=float(read.field("rope_scaling")),
+                step_package=read.field("step_package"),
+                weights=read.field("weights"),
+                tokenizer_folder=read.field("tokenizer")["folder"],
+                has_chat_template=bool(read.field("tokenizer").get("has_chat_template")),
+                source=EngineSource(**read.field("source")),
+                build_id=read.field("build_id"),
+                builder_version=read.field("builder_version"),
+                build_options=BuildOptionsRecord(**read.field("build_options")),
+                build_info=read.optional("build") or {},
+                tensorrt=_maybe(TensorRTPlanInfo, read.optional("tensorrt")),
+                kernels=None if kernels is None else _kernel_info(kernels),
+                artifacts=read.field("artifacts"),
+                folder=folder,
+            )
+        except (TypeError, ValueError, KeyError) as error:
+            raise EngineFormatError(f"{where}: malformed engine record: {error}") from error
+
+    def write(self, folder: Path) -> None:
+        (folder / ENGINE_JSON).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path, verify: bool = True) -> EngineConfig:
+        """Read and check engine.json; with `verify`, every artifact's sha256 is checked."""
+        folder = Path(folder).resolve()
+        path = folder / ENGINE_JSON
+        if not path.is_file():
+            raise EngineFormatError(f"{folder} is not an engine folder: {ENGINE_JSON} is missing")
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise EngineFormatError(f"{path} is not valid JSON: {error}") from error
+        if not isinstance(record, dict):
+            raise EngineFormatError(f"{path} is not a JSON object")
+        config = cls.from_json(record, folder)
+        # Every path is confined to the folder before anything is read through it.
+        _ = (config.step_package_path, config.weights_path, config.tokenizer_path, config.kernels_path)
+        if verify:
+            verify_artifacts(folder, config.artifacts)
+        return config
+
+
+class _Reader:
+    def __init__(self, record: dict[str, Any], where: Path) -> None:
+        self.record, self.where = record, where
+
+    def field(self, key: str) -> Any:
+        if key not in self.record:
+            raise EngineFormatError(f"{self.where}: missing field {key!r}")
+        return self.record[key]
+
+    def optional(self, key: str) -> Any:
+        return self.record.get(key)
+
+
+def _asdict(value: Any) -> dict[str, Any]:
+    return {name: (list(v) if isinstance(v, tuple) else v) for name in value.__slots__ for v in [getattr(value, name)]}
+
+
+def _kernel_info(data: dict[str, Any]) -> KernelLibraryInfo:
+    return KernelLibraryInfo(**{**data, "cpu_features": tuple(data["cpu_features"])})
+
+
+def _maybe(kind: type, data: dict[str, Any] | None) -> Any:
+    return None if data is None else kind(**data)

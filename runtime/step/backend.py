@@ -1,0 +1,91 @@
+"""StepBackend: what runs one step, and the one factory that picks it (compiled CPU, TensorRT,
+or our network run eagerly as the reference the compiled ones are checked against)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+from typing import Protocol
+
+import torch
+from safetensors.torch import load_file
+
+from ifb.runtime.engine_format import BackendKind, EngineConfig
+from ifb.runtime.errors import EngineFormatError
+from ifb.runtime.step.network import FAST_OPS, REFERENCE_OPS, StepNetwork
+from ifb.runtime.step.step_inputs import StepInputs
+
+
+class StepBackend(Protocol):
+    """(StepInputs, kv_pools) -> float32 logits [num_logits, vocab]; K/V of every input token are
+    in the pools afterwards. `device` is where the pools must live."""
+
+    device: torch.device
+
+    def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor: ...
+
+
+class StepMode(str, Enum):
+    """How the step runs: the compiled artifact (the product), or eager paths for checking it."""
+
+    COMPILED = "compiled"
+    EAGER = "eager"  # our network, fast attention ops, not compiled
+    REFERENCE = "reference"  # our network, per-request reference attention loops
+
+
+def load_network(config: EngineConfig, reference_ops: bool) -> StepNetwork:
+    state = load_file(str(config.weights_path))
+    inv_freq = state.pop("rope.inv_freq")
+    network = StepNetwork(
+        config.spec,
+        inv_freq,
+        config.rope_scaling,
+        config.limits.max_seq_len,
+        config.limits.block_size,
+        ops=REFERENCE_OPS if reference_ops else FAST_OPS,
+    )
+    network = network.to(getattr(torch, config.dtype))
+    network.load_state_dict(state, strict=not config.spec.tie_word_embeddings)
+    return network.eval()
+
+
+class NetworkStep:
+    """Our network, run eagerly on the CPU."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, network: StepNetwork) -> None:
+        self.network = network
+
+    def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor:
+        return self.network(*inputs.as_args(), kv_pools)
+
+
+def _cpu_step(config: EngineConfig) -> StepBackend:
+    from ifb.runtime.step.aoti_step import AotiStep
+
+    return AotiStep(config.step_package_path)
+
+
+def _tensorrt_step(config: EngineConfig) -> StepBackend:
+    from ifb.runtime.step.gpu import tensorrt_unavailable_reason
+
+    reason = tensorrt_unavailable_reason()
+    if reason is not None:
+        raise EngineFormatError(f"{config.folder} is a tensorrt engine: {reason}")
+    from ifb.runtime.step.tensorrt_step import TensorRTStep  # imports tensorrt: GPU hosts only
+
+    return TensorRTStep(config)
+
+
+_COMPILED: dict[BackendKind, Callable[[EngineConfig], StepBackend]] = {
+    BackendKind.CPU: _cpu_step,
+    BackendKind.TENSORRT: _tensorrt_step,
+}
+
+
+def make_step_backend(config: EngineConfig, mode: StepMode = StepMode.COMPILED) -> StepBackend:
+    """The one place the backend and mode are branched on."""
+    if mode is not StepMode.COMPILED:
+        return NetworkStep(load_network(config, reference_ops=mode is StepMode.REFERENCE))
+    return _COMPILED[config.backend](config)

@@ -1,0 +1,36 @@
+"""Engine: a loaded engine folder that runs one step per call over the KV pool it owns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ifb.runtime.engine_format import EngineConfig, kv_pool_shape
+from ifb.runtime.step.backend import StepBackend, StepMode, make_step_backend
+from ifb.runtime.step.step_inputs import StepInputs
+
+
+def kv_pool_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """[layers, 2, slots, KVH, D] -> [K0, V0, K1, V1, ...], views sharing the one allocation."""
+    return [kv_cache[layer, kind] for layer in range(kv_cache.shape[0]) for kind in range(2)]
+
+
+class Engine:
+    """Owns the KV pool; `step` runs one packed batch and returns float32 logits [R, vocab]."""
+
+    def __init__(self, config: EngineConfig, mode: StepMode = StepMode.COMPILED) -> None:
+        self.config = config
+        self.mode = mode
+        self.backend: StepBackend = make_step_backend(config, mode)
+        shape = kv_pool_shape(config.spec, config.limits)
+        self.kv_cache = torch.zeros(shape, dtype=getattr(torch, config.dtype), device=self.backend.device)
+        self.kv_pools = kv_pool_views(self.kv_cache)
+
+    @classmethod
+    def load(cls, folder: str | Path, mode: StepMode = StepMode.COMPILED, verify: bool = True) -> Engine:
+        return cls(EngineConfig.load(folder, verify=verify), mode)
+
+    def step(self, inputs: StepInputs) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.backend(inputs, self.kv_pools)

@@ -1,0 +1,47 @@
+"""Dependencies point down: cli / the ifb facade -> builder -> runtime -> plugins, never back up."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, lazily inside functions included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def offenders(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        bad = sorted(m for m in imported_modules(path) if m.startswith(forbidden))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    return found
+
+
+def test_the_runtime_never_imports_the_builder_or_the_cli() -> None:
+    assert offenders("runtime", ("ifb.builder", "ifb.cli", "ifb.find_or_build", "ifb.llm")) == {}
+
+
+def test_the_builder_never_imports_the_cli_or_the_facade() -> None:
+    assert offenders("builder", ("ifb.cli", "ifb.find_or_build", "ifb.llm")) == {}
+
+
+def test_plugins_import_neither_runtime_nor_builder() -> None:
+    assert offenders("plugins", ("ifb.runtime", "ifb.builder", "ifb.cli")) == {}
+
+
+def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
+    """The parser must catch an import hidden inside a function, or the tests above prove nothing."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from ifb.builder.build import build_engine\n")
+    assert imported_modules(sample) == {"ifb.builder.build"}
