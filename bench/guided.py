@@ -59,7 +59,7 @@ def main() -> None:
     print(f"half guided: {guided_tokens} tokens in {guided_wall:.2f}s = {guided:.1f} tok/s")
     print(f"throughput cost of guiding half the batch: {100 * (1 - guided / plain):.1f}%")
     print(
-        f"grammar compiles: {stats['guided_requests']}, total {stats['grammar_compile_seconds_total']:.3f}s, max {stats['grammar_compile_seconds_max']:.3f}s"
+        f"grammar compiles: {stats.guided.num_requests}, total {stats.guided.compile_seconds_total:.3f}s, max {stats.guided.compile_seconds_max:.3f}s"
     )
 
 

@@ -70,10 +70,11 @@ def _table(rows: dict[str, dict[str, Any]]) -> str:
 def _row(run: ModeRun, slo: Slo) -> dict[str, Any]:
     row: dict[str, Any] = summarize(run.timings, run.wall_s, slo)
     if run.stats:
-        queried = run.stats.get("prefix_cache_queried_tokens", 0)
+        kv, counters = run.stats["kv"], run.stats["counters"]
+        queried = kv["prefix_cache_queried_tokens"]
         row.update(
-            preempted=run.stats.get("preempted", 0),
-            prefix_hit_rate=run.stats.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0,
+            preempted=counters["preempted"],
+            prefix_hit_rate=kv["prefix_cache_hit_tokens"] / queried if queried else 0.0,
             kv_peak_blocks=max((s.num_used_blocks for s in run.steps), default=0),
             busy_seat_steps=sum(s.num_requests for s in run.steps),
             steps=len(run.steps),

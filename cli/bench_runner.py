@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import threading
@@ -97,7 +98,14 @@ def run_in_process(
         wall = time.perf_counter() - start
         llm.executor.step_listeners.remove(steps.append)
         run = ModeRun(
-            mode, timings, wall, steps, finish_times, llm.stats(), llm.config.max_batch_size, llm.config.num_kv_blocks
+            mode,
+            timings,
+            wall,
+            steps,
+            finish_times,
+            dataclasses.asdict(llm.stats()),
+            llm.config.max_batch_size,
+            llm.config.num_kv_blocks,
         )
         if recorder is not None and trace is not None:
             recorder.write(trace.with_name(f"{trace.stem}-{mode}{trace.suffix}") if mode else trace)

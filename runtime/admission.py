@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from ifb.runtime.errors import AdmissionError, QueueFullError
 
@@ -36,17 +37,15 @@ def check_prompt(
 class AdmissionGate:
     """At most max_batch_size + max_queued_requests requests inside the engine at once."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_refused: Callable[[], None]) -> None:
         self.capacity = capacity
         self._semaphore = threading.BoundedSemaphore(capacity)
-        self.refused = 0
-        self._lock = threading.Lock()
+        self._on_refused = on_refused  # the executor counts refusals (one writer of the counters)
 
     def acquire(self, block: bool = True, timeout: float | None = None, count_refusal: bool = True) -> None:
         if not self._semaphore.acquire(blocking=block, timeout=timeout if block else None):
             if count_refusal:
-                with self._lock:
-                    self.refused += 1
+                self._on_refused()
             raise QueueFullError(
                 f"server is full: {self.capacity} requests (max_batch_size + max_queued_requests) are running or queued"
             )

@@ -29,3 +29,7 @@ class QueueFullError(IfbError):
 
 class EngineStepError(IfbError):
     """The engine step failed; the requests of that step finish with reason `error`."""
+
+
+class EngineUnavailableError(IfbError):
+    """The step loop is dead or stuck: nothing new is accepted (HTTP 503)."""

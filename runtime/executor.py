@@ -2,11 +2,12 @@
 
     1 take new requests and aborts from the inbox   2 scheduler.schedule()
     3 build_step_inputs                              4 engine.step
-    5 sampler                                        6 scheduler.update (+ stop strings)
-    7 push deltas to each request's sink; record step stats
+    5 sampler                                        6 aborts that arrived during the step
+    7 output processor (text, stop strings, grammar) 8 scheduler.update: the one finish
+    9 push deltas to each request's sink; publish the snapshot
 
-Only this thread touches the scheduler, the KV manager and requests. An exception inside a
-step fails that step's requests (finish reason `error`) and the loop goes on.
+Only this thread touches the scheduler, the KV manager, requests and their sampling state. An
+exception inside a step fails that step's requests (finish reason `error`) and the loop goes on.
 
 The engine is created on this thread too: once another thread has run OpenMP work, libgomp
 has two thread teams on two cores and throttles its spin-waits, which made every compiled step
@@ -25,12 +26,14 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from ifb.runtime.detokenizer import IncrementalDetokenizer
+from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth, GuidedUsage, KvUsage
 from ifb.runtime.engine_threads import run_on_engine_thread
 from ifb.runtime.guided import fill_bitmask
+from ifb.runtime.output_processor import OutputProcessor
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
 from ifb.runtime.request import FinishReason, Request
-from ifb.runtime.sampler import Sampler
+from ifb.runtime.sampler import Sampler, SampleResult
+from ifb.runtime.sampling_state import SamplingRow, SamplingState
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
@@ -40,6 +43,7 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[RequestOutput], None]
 StepListener = Callable[["StepRecord"], None]
 _SUMMARY_INTERVAL_S = 5.0
+STUCK_STEP_S = 30.0  # a step running longer than this means the loop is stuck
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +63,18 @@ class StepRecord:
 class _Add:
     request: Request
     sink: Sink
+    compiled_grammar: Any = None  # xgrammar CompiledGrammar of a guided request
+    grammar_compile_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A caller was turned away by the admission gate: counted here, the counters' one writer."""
 
 
 class Executor:
@@ -75,17 +86,19 @@ class Executor:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self.scheduler = scheduler
-        self.tokenizer = tokenizer
         self.sampler = sampler or Sampler()
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self.outputs = OutputProcessor(tokenizer)
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Refused | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._states: dict[str, SamplingState] = {}
         self._stopping = threading.Event()
         self._loop: Future[None] | None = None
-        self.step_in_progress_since: float | None = None
+        self._step_started: float | None = None
+        self._fatal_error: str | None = None
+        self._guided = GuidedUsage()
+        self.snapshot = EngineSnapshot()
         self.step_listeners: list[StepListener] = []
         self.finish_listeners: list[Callable[[Request], None]] = []
-        self.fatal_error: str | None = None
         self._last_summary = time.monotonic()
         self._tokens_since_summary = 0
 
@@ -96,12 +109,18 @@ class Executor:
         self._ready.wait()
         if self._start_error is not None:
             raise self._start_error
+        self._publish()
 
-    def submit(self, request: Request, sink: Sink) -> None:
-        self._inbox.put(_Add(request, sink))
+    def submit(
+        self, request: Request, sink: Sink, compiled_grammar: Any = None, grammar_compile_s: float = 0.0
+    ) -> None:
+        self._inbox.put(_Add(request, sink, compiled_grammar, grammar_compile_s))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def count_refusal(self) -> None:
+        self._inbox.put(_Refused())
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -109,9 +128,11 @@ class Executor:
         if self._loop is not None:
             wait([self._loop], timeout)
 
-    @property
-    def is_alive(self) -> bool:
-        return self._loop is not None and not self._loop.done()
+    def health(self) -> ExecutorHealth:
+        alive = self._loop is not None and not self._loop.done()
+        started = self._step_started
+        stuck = started is not None and time.monotonic() - started > STUCK_STEP_S
+        return ExecutorHealth(alive=alive, stuck=stuck, error=self._fatal_error)
 
     # -- executor thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -131,16 +152,19 @@ class Executor:
                 if batch.is_empty:
                     if self.scheduler.has_work:
                         time.sleep(0.001)  # only waiting requests that cannot start yet
+                    self._publish()
                     continue
                 self._step(batch)
+                self._publish()
                 self._maybe_log_summary()
-        except BaseException as error:  # the loop itself broke: /health must say so
-            self.fatal_error = repr(error)
+        except BaseException as error:  # the loop itself broke: every entry point must see it
+            self._fatal_error = repr(error)
             logger.exception("executor loop died")
             raise
         finally:
-            self._finish_all(FinishReason.ABORT, "server shutting down")
+            self._finish_all(FinishReason.ABORT if self._fatal_error is None else FinishReason.ERROR)
             self.engine = None  # the pooled thread outlives this loop; let the KV pool go
+            self._publish()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -148,26 +172,67 @@ class Executor:
         except queue.Empty:
             return
         while item is not None:
-            if isinstance(item, _Add):
-                self._sinks[item.request.request_id] = item.sink
-                self._detokenizers[item.request.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, item.request.token_ids, item.request.params.stop
-                )
-                self.scheduler.add(item.request)
-            else:
-                request = self.scheduler.abort(item.request_id)
-                if request is not None:
-                    self._emit_final(request)
+            self._apply(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def _apply(self, item: _Add | _Abort | _Refused) -> None:
+        if isinstance(item, _Add):
+            request = item.request
+            self._sinks[request.request_id] = item.sink
+            self._states[request.request_id] = SamplingState.create(request.params.seed, item.compiled_grammar)
+            self.outputs.add(request)
+            self.scheduler.add(request)
+            if item.compiled_grammar is not None:
+                self._count_guided(item.grammar_compile_s)
+        elif isinstance(item, _Abort):
+            request = self.scheduler.abort(item.request_id)
+            if request is not None:
+                self._deliver(request, self.outputs.final_output(request))
+        else:
+            self.scheduler.stats.refused += 1
+
+    def _count_guided(self, seconds: float) -> None:
+        g = self._guided
+        self._guided = GuidedUsage(
+            g.num_requests + 1, g.compile_seconds_total + seconds, max(g.compile_seconds_max, seconds)
+        )
+
     def _step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
-        self.step_in_progress_since = time.monotonic()
         requests = [self.scheduler.requests[item.request_id] for item in batch.requests]
-        sampling = [r for r, item in zip(requests, batch.requests, strict=True) if item.sample]
+        rows = [
+            SamplingRow(r, self._states[r.request_id])
+            for r, item in zip(requests, batch.requests, strict=True)
+            if item.sample
+        ]
+        try:
+            result = self._run_engine(batch, requests, rows)
+        except Exception as error:
+            logger.exception("engine step failed; failing its %d requests", len(requests))
+            for request in requests:
+                self.scheduler.finish(request, FinishReason.ERROR, error=f"engine step failed: {error}")
+                self._deliver(request, self.outputs.final_output(request))
+            return
+        self._take_inbox(block=False)  # aborts that arrived during the step, before the update
+        sampled, logprobs = self._tokens_of_live_rows(rows, result)
+        stops = self.outputs.process(
+            (row.request, sampled[row.request.request_id], row.state)
+            for row in rows
+            if row.request.request_id in sampled
+        )
+        for request in self.scheduler.update(batch, sampled, stops):
+            token = sampled[request.request_id]
+            self._deliver(request, self.outputs.token_output(request, token, logprobs.get(request.request_id)))
+        self._tokens_since_summary += len(sampled)
+        self._record(batch, start)
+
+    def _run_engine(
+        self, batch: ScheduledBatch, requests: list[Request], rows: list[SamplingRow]
+    ) -> SampleResult | None:
+        self._step_started = time.monotonic()
         try:
             slices = [
                 RequestSlice(
@@ -181,90 +246,41 @@ class Executor:
             engine = self.engine
             assert engine is not None
             inputs = build_step_inputs(slices, engine.config.limits.block_size)
-            guided = [(row, r.grammar_matcher) for row, r in enumerate(sampling) if r.grammar_matcher is not None]
-            # Masks are filled before the step, not beside it: the step now releases the GIL, but
-            # it uses both cores, so a mask thread would only take a core from it.
-            bitmask = fill_bitmask(guided, len(sampling), engine.config.spec.vocab_size) if guided else None
+            guided = [(i, row.state.grammar_matcher) for i, row in enumerate(rows) if row.state.grammar_matcher]
+            # Masks are filled before the step, not beside it: the step releases the GIL, but it
+            # uses both cores, so a mask thread would only take a core from it.
+            bitmask = fill_bitmask(guided, len(rows), engine.config.spec.vocab_size) if guided else None
             logits = engine.step(inputs)
-            result = self.sampler.sample(logits, sampling, bitmask) if sampling else None
-        except Exception as error:
-            logger.exception("engine step failed; failing its %d requests", len(requests))
-            for request in requests:
-                self.scheduler.finish(request, FinishReason.ERROR, error=f"engine step failed: {error}")
-                self._emit_final(request)
-            return
+            return self.sampler.sample(logits, rows, bitmask) if rows else None
         finally:
-            self.step_in_progress_since = None
-        sampled = {}
-        logprobs: dict[str, TokenLogprob] = {}
-        if result is not None:
-            for row, request in enumerate(sampling):
-                sampled[request.request_id] = result.token_ids[row]
-                if result.logprobs is not None and result.top_logprobs is not None:
-                    logprobs[request.request_id] = TokenLogprob(
-                        result.token_ids[row], result.logprobs[row], result.top_logprobs[row]
-                    )
-        for request in self.scheduler.update(batch, sampled):
-            self._emit_token(request, sampled[request.request_id], logprobs.get(request.request_id))
-        self._tokens_since_summary += len(sampled)
-        self._record(batch, start)
-
-    def _emit_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
-        detok = self._detokenizers[request.request_id]
-        detok.push([token])
-        if detok.stopped and not request.state.is_finished:
-            self.scheduler.finish(request, FinishReason.STOP)
-        matcher = request.grammar_matcher
-        if matcher is not None and not matcher.is_terminated():
-            matcher.accept_token(token)
-            if matcher.is_terminated() and not request.state.is_finished:
-                self.scheduler.finish(request, FinishReason.STOP)  # the constraint is complete
-        final = request.state.is_finished
-        output = RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=(token,),
-            new_text=detok.take(final),
-            finished=final,
-            finish_reason=request.finish_reason,
-            logprobs=(logprob,) if logprob is not None else (),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_prefix_hit_tokens,
-            **(self._timings(request) if final else {}),
-        )
-        self._deliver(request, output)
-
-    def _emit_final(self, request: Request) -> None:
-        detok = self._detokenizers.get(request.request_id)
-        output = RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=(),
-            new_text=detok.take(True) if detok else "",
-            finished=True,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_prefix_hit_tokens,
-            error=request.error,
-            **self._timings(request),
-        )
-        self._deliver(request, output)
+            self._step_started = None
 
     @staticmethod
-    def _timings(request: Request) -> dict[str, float | None]:
-        t = request.times
-        end = t.finished or time.perf_counter()
-        return {
-            "ttft_s": None if t.first_token is None else t.first_token - t.arrival,
-            "e2e_s": end - t.arrival,
-            "queue_s": None if t.admitted is None else t.admitted - t.arrival,
-        }
+    def _tokens_of_live_rows(
+        rows: list[SamplingRow], result: SampleResult | None
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Sampled tokens (and logprobs) of the rows whose request is still running."""
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        if result is None:
+            return sampled, logprobs
+        for index, row in enumerate(rows):
+            request = row.request
+            if request.state.is_finished:
+                continue  # aborted while the step ran
+            sampled[request.request_id] = result.token_ids[index]
+            if result.logprobs is not None and result.top_logprobs is not None:
+                logprobs[request.request_id] = TokenLogprob(
+                    result.token_ids[index], result.logprobs[index], result.top_logprobs[index]
+                )
+        return sampled, logprobs
 
     def _deliver(self, request: Request, output: RequestOutput) -> None:
         sink = self._sinks.get(request.request_id)
         if output.finished:
             self._sinks.pop(request.request_id, None)
-            self._detokenizers.pop(request.request_id, None)
+            self._states.pop(request.request_id, None)
+            self.outputs.remove(request.request_id)
             for listener in self.finish_listeners:
                 listener(request)
         if sink is not None:
@@ -272,6 +288,24 @@ class Executor:
                 sink(output)
             except Exception:  # a broken consumer must not take the loop down
                 logger.exception("output sink of %s failed", request.request_id)
+
+    def _publish(self) -> None:
+        """Replace the snapshot whole: readers on other threads see one consistent value."""
+        kv = self.scheduler.kv
+        self.snapshot = EngineSnapshot(
+            counters=self.scheduler.stats.freeze(),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv=KvUsage(
+                num_blocks=kv.num_blocks,
+                num_free_blocks=kv.num_free_blocks,
+                num_used_blocks=kv.num_used_blocks,
+                num_cached_blocks=kv.num_cached_blocks,
+                prefix_cache_queried_tokens=kv.prefix_queried_tokens,
+                prefix_cache_hit_tokens=kv.prefix_hit_tokens,
+            ),
+            guided=self._guided,
+        )
 
     def _record(self, batch: ScheduledBatch, start: float) -> None:
         if not self.step_listeners:
@@ -309,7 +343,8 @@ class Executor:
         self._last_summary = now
         self._tokens_since_summary = 0
 
-    def _finish_all(self, reason: FinishReason, error: str) -> None:
+    def _finish_all(self, reason: FinishReason) -> None:
+        error = "server shutting down" if reason is FinishReason.ABORT else f"the step loop died: {self._fatal_error}"
         for request in list(self.scheduler.requests.values()):
             self.scheduler.finish(request, reason, error=error)
-            self._emit_final(request)
+            self._deliver(request, self.outputs.final_output(request))

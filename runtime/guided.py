@@ -9,7 +9,6 @@ the request field, raised before the request takes a seat.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -77,11 +76,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_LIMIT_BYTES)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ifb-grammar")
-        self._lock = threading.Lock()
         self.vocab_size = vocab_size
-        self.num_compiled = 0
-        self.compile_seconds_total = 0.0
-        self.compile_seconds_max = 0.0
 
     def _compile(self, guide: GuidedDecoding) -> Any:
         c = self._compiler
@@ -95,10 +90,9 @@ class GrammarCompiler:
             return c.compile_grammar(_choice_grammar(guide.spec))
         return c.compile_grammar(guide.spec)
 
-    def matcher(self, guide: GuidedDecoding, timeout_s: float = COMPILE_TIMEOUT_S) -> Any:
-        """A fresh matcher for one request; AdmissionError naming the field on any failure."""
-        import xgrammar as xgr
-
+    def compile(self, guide: GuidedDecoding, timeout_s: float = COMPILE_TIMEOUT_S) -> tuple[Any, float]:
+        """(xgrammar CompiledGrammar, seconds it took); AdmissionError naming the field on any
+        failure. Cached per distinct constraint by xgrammar; matchers are made by the executor."""
         start = time.perf_counter()
         future = self._pool.submit(self._compile, guide)
         try:
@@ -110,12 +104,7 @@ class GrammarCompiler:
         except Exception as error:  # xgrammar reports parse errors as RuntimeError/ValueError
             message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise AdmissionError(f"{guide.field}: invalid {guide.kind.value}: {message}", field=guide.field) from None
-        seconds = time.perf_counter() - start
-        with self._lock:
-            self.num_compiled += 1
-            self.compile_seconds_total += seconds
-            self.compile_seconds_max = max(self.compile_seconds_max, seconds)
-        return xgr.GrammarMatcher(compiled)
+        return compiled, time.perf_counter() - start
 
 
 def fill_bitmask(matchers: list[tuple[int, Any]], num_rows: int, vocab_size: int) -> Any:

@@ -1,12 +1,10 @@
-"""Request: one generation's mutable state, owned by the executor thread."""
+"""Request: one generation's scheduling state, owned by the executor thread. Torch-free: the
+sampling state (generator, grammar matcher) lives beside it in the executor."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
-
-import torch
 
 from ifb.runtime.sampling_params import SamplingParams
 
@@ -18,6 +16,14 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """A decision to finish a request, with the error a client should see for ERROR."""
+
+    reason: FinishReason
+    error: str | None = None
 
 
 class RequestState(Enum):
@@ -62,8 +68,6 @@ class Request:
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
-    generator: torch.Generator | None = None
-    grammar_matcher: Any = None  # xgrammar matcher of a guided request; advanced by the executor
     num_preemptions: int = 0
     was_admitted_mid_flight: bool = False
 

@@ -14,6 +14,7 @@ import torch
 
 from ifb.runtime.guided import apply_bitmask
 from ifb.runtime.request import Request
+from ifb.runtime.sampling_state import SamplingRow
 
 _NEG_INF = float("-inf")
 
@@ -62,9 +63,10 @@ class Sampler:
     """Turns [R, vocab] logits of R sampling requests into one token each."""
 
     def sample(
-        self, logits: torch.Tensor, requests: Sequence[Request], bitmask: torch.Tensor | None = None
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None
     ) -> SampleResult:
         """`bitmask` (xgrammar's int32 layout) constrains the guided rows; others are untouched."""
+        requests = [row.request for row in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in requests) else None
         logits = logits.clone()
         for row, request in enumerate(requests):
@@ -83,11 +85,12 @@ class Sampler:
         ]
         _apply_penalties(logits, penalized, requests)
         if bitmask is not None:
-            apply_bitmask(logits, bitmask, [i for i, r in enumerate(requests) if r.grammar_matcher is not None])
-        tokens = self._choose(logits, requests)
+            apply_bitmask(logits, bitmask, [i for i, row in enumerate(rows) if row.state.grammar_matcher is not None])
+        tokens = self._choose(logits, rows)
         return self._with_logprobs(tokens, raw_logprobs, requests)
 
-    def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        requests = [row.request for row in rows]
         greedy = torch.tensor([r.params.greedy for r in requests])
         tokens = logits.argmax(dim=-1)
         if bool(greedy.all()):
@@ -103,9 +106,10 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; per-row noise lets a
         # seeded row use its own generator.
         noise = torch.empty_like(probs).exponential_()
-        for row, request in enumerate(requests):
-            if request.generator is not None and not request.params.greedy:
-                noise[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=request.generator)
+        for index, row in enumerate(rows):
+            generator = row.state.generator
+            if generator is not None and not row.request.params.greedy:
+                noise[index] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, tokens, sampled)
 

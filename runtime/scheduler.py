@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.policies import CapacityPolicy, ChunkingPolicy, aligned_chunk
-from ifb.runtime.request import FinishReason, Request, RequestState
+from ifb.runtime.request import FinishReason, Request, RequestState, Stop
 from ifb.runtime.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -179,11 +179,16 @@ class Scheduler:
         self.running.append(request)
 
     # -- update -------------------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: Mapping[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, stop finished requests.
+    def update(
+        self, batch: ScheduledBatch, sampled: Mapping[str, int], stops: Mapping[str, Stop] | None = None
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish stopped requests: token stops
+        (eos, stop ids, max_tokens, max_seq_len) and `stops` decided from text and grammars by
+        the output processor. The one place a running request is finished after a step.
 
         Returns the requests that produced a token this step (finished ones included).
         """
+        stops = stops or {}
         now = self._clock()
         produced = []
         self.stats.num_steps += 1
@@ -202,6 +207,10 @@ class Scheduler:
                     request.times.first_token = now
                 request.times.last_token = now
                 produced.append(request)
+                stop = stops.get(item.request_id)
+                if stop is not None:
+                    self.finish(request, stop.reason, stop.error)
+                    continue
                 reason = self._token_stop(request, token)
                 if reason is not None:
                     self.finish(request, reason)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
@@ -34,3 +36,11 @@ def greedy_generate(engine: Engine, prompt: list[int], max_new_tokens: int, chun
         inputs = build_step_inputs([RequestSlice([out[-1]], position, table, sample=True)], block_size)
         out.append(int(engine.step(inputs)[0].argmax()))
     return out
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll `condition` until true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)

@@ -83,7 +83,7 @@ def test_guided_and_plain_requests_share_one_batch(llm: LLM) -> None:
     for guide, output in zip(guides(), outputs[:4], strict=True):
         if output.finish_reason is FinishReason.STOP:
             check(guide, output.text)
-    assert llm.stats()["guided_requests"] >= 4
+    assert llm.stats().guided.num_requests >= 4
 
 
 def test_guided_output_survives_preemption(tiny_llama_engine: Path) -> None:
@@ -94,7 +94,7 @@ def test_guided_output_survives_preemption(tiny_llama_engine: Path) -> None:
         ]
         filler = [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)] * 4
         outputs = small.generate([[5] * 30] * 8 + [[9] * 30] * 4, params + filler)
-        assert small.stats()["preempted"] > 0
+        assert small.stats().counters.preempted > 0
     for output in outputs[:8]:
         assert output.finish_reason is FinishReason.STOP
         jsonschema.validate(json.loads(output.text), SCHEMA)
@@ -109,11 +109,11 @@ def test_guided_output_survives_preemption(tiny_llama_engine: Path) -> None:
     ],
 )
 def test_invalid_constraints_are_refused_before_taking_a_seat(llm: LLM, guide: GuidedDecoding, field: str) -> None:
-    before = llm.stats()["submitted"]
+    before = llm.stats().counters.submitted
     with pytest.raises(AdmissionError) as error:
         llm.generate([[5]], SamplingParams(max_tokens=5, guided=guide))
     assert error.value.field == field and "invalid" in str(error.value)
-    assert llm.stats()["submitted"] == before
+    assert llm.stats().counters.submitted == before
 
 
 def test_http_response_format_and_guided_fields(tiny_llama_engine: Path) -> None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from greedy_loop import greedy_generate
+from greedy_loop import greedy_generate, wait_until
 
 from ifb import LLM, SamplingParams
 from ifb.runtime.errors import AdmissionError, QueueFullError
@@ -80,15 +80,15 @@ def test_batched_greedy_equals_alone(name: str, tiny_llama_engine: Path, alone_o
     with LLM(tiny_llama_engine, **CONFIGS[name]) as llm:
         results = run_arriving_over_time(llm, workload(5), seed=9)
         stats = llm.stats()
-        llm.scheduler.check_integrity()
+        llm.executor.scheduler.check_integrity()
     assert results == alone_outputs
-    assert stats["completed"] == 32 and stats["kv_blocks_used"] == 0
+    assert stats.counters.completed == 32 and stats.kv.num_used_blocks == 0
     if name == "max_util_small_pool":
-        assert stats["preempted"] > 0
+        assert stats.counters.preempted > 0
     if name in ("no_evict", "chunked_fcfs"):
-        assert stats["admitted_mid_flight"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+        assert stats.counters.admitted_mid_flight > 0 and stats.kv.prefix_cache_hit_tokens > 0
     if name == "no_prefix_reuse":
-        assert stats["prefix_cache_hit_tokens"] == 0
+        assert stats.kv.prefix_cache_hit_tokens == 0
 
 
 def test_request_with_other_params_joins_mid_flight(tiny_llama_engine: Path) -> None:
@@ -99,7 +99,7 @@ def test_request_with_other_params_joins_mid_flight(tiny_llama_engine: Path) -> 
         joined = llm.generate([[9, 10]], SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=3))[0]
         rest = list(stream)
         assert rest[-1].finished and joined.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-        assert llm.stats()["admitted_mid_flight"] >= 1
+        assert llm.stats().counters.admitted_mid_flight >= 1
 
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_llama_engine: Path) -> None:
@@ -167,16 +167,18 @@ def test_full_server_refuses_without_blocking(tiny_llama_engine: Path) -> None:
         ids = [llm.submit([5, 6], params, lambda o: None) for _ in range(3)]
         with pytest.raises(QueueFullError):
             llm.submit([5], SamplingParams(max_tokens=2), lambda o: None, block=False)
-        assert llm.stats()["refused"] == 1
+        wait_until(lambda: llm.stats().counters.refused == 1)  # counted by the executor, between steps
         for request_id in ids:
             llm.abort(request_id)
         deadline = time.time() + 10
         while (
-            llm.stats()["resident"] or llm.stats()["queued"] or llm.stats()["cancelled"] + llm.stats()["completed"] < 3
+            llm.stats().num_running
+            or llm.stats().num_waiting
+            or llm.stats().counters.cancelled + llm.stats().counters.completed < 3
         ):
             assert time.time() < deadline
             time.sleep(0.01)
-        assert llm.stats()["kv_blocks_used"] == 0
+        assert llm.stats().kv.num_used_blocks == 0
         assert llm.generate([[5]], SamplingParams(max_tokens=2), block=False)[0].finish_reason is not None
 
 
@@ -215,5 +217,5 @@ def test_async_variants_equal_sync(tiny_llama_engine: Path) -> None:
             return await asyncio.gather(*(llm.agenerate([30, 31], params) for _ in range(4)))
 
         results = asyncio.run(main())
-        assert llm.stats()["refused"] == 0
+        assert llm.stats().counters.refused == 0
     assert all(r.token_ids == expected.token_ids and r.text == expected.text for r in results)

@@ -24,26 +24,27 @@ class _SchedulerCollector(Collector):
         self.llm = llm
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.llm.stats()
-        yield GaugeMetricFamily("ifb:num_requests_running", "Requests in the running batch.", value=stats["resident"])
-        yield GaugeMetricFamily("ifb:num_requests_waiting", "Requests waiting to be admitted.", value=stats["queued"])
-        usage = stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"])
-        yield GaugeMetricFamily("ifb:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", value=usage)
+        snapshot = self.llm.stats()
+        c, kv = snapshot.counters, snapshot.kv
+        yield GaugeMetricFamily(
+            "ifb:num_requests_running", "Requests in the running batch.", value=snapshot.num_running
+        )
+        yield GaugeMetricFamily(
+            "ifb:num_requests_waiting", "Requests waiting to be admitted.", value=snapshot.num_waiting
+        )
+        yield GaugeMetricFamily("ifb:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", value=kv.usage)
         counters = {
-            "ifb:prompt_tokens": ("Prompt tokens computed.", stats["prompt_tokens"]),
-            "ifb:generation_tokens": ("Tokens generated.", stats["generation_tokens"]),
-            "ifb:num_preemptions": ("Requests preempted (max_utilization).", stats["preempted"]),
+            "ifb:prompt_tokens": ("Prompt tokens computed.", c.prompt_tokens),
+            "ifb:generation_tokens": ("Tokens generated.", c.generation_tokens),
+            "ifb:num_preemptions": ("Requests preempted (max_utilization).", c.preempted),
             "ifb:prefix_cache_queries": (
                 "Prompt tokens looked up in the prefix cache.",
-                stats["prefix_cache_queried_tokens"],
+                kv.prefix_cache_queried_tokens,
             ),
-            "ifb:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats["prefix_cache_hit_tokens"]),
-            "ifb:request_rejected": ("Requests refused with 429 (server full or queue timeout).", stats["refused"]),
-            "ifb:guided_requests": ("Requests with a guided-decoding constraint.", stats["guided_requests"]),
-            "ifb:grammar_compile_seconds": (
-                "Time spent compiling constraints.",
-                stats["grammar_compile_seconds_total"],
-            ),
+            "ifb:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", kv.prefix_cache_hit_tokens),
+            "ifb:request_rejected": ("Requests refused with 429 (server full or queue timeout).", c.refused),
+            "ifb:guided_requests": ("Requests with a guided-decoding constraint.", snapshot.guided.num_requests),
+            "ifb:grammar_compile_seconds": ("Time spent compiling constraints.", snapshot.guided.compile_seconds_total),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

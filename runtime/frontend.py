@@ -1,0 +1,95 @@
+"""Frontend: a caller's prompt and parameters -> a validated Request ready for the engine.
+
+Tokenizing, the chat template, validation against the engine's limits and compiling a guided
+constraint all happen here, on the caller's thread (or a worker thread for async callers) and
+never on the executor's. Nothing here touches the scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ifb.runtime.admission import check_prompt
+from ifb.runtime.engine_format import EngineConfig
+from ifb.runtime.errors import AdmissionError
+from ifb.runtime.guided import GrammarCompiler
+from ifb.runtime.request import Request, RequestTimes
+from ifb.runtime.runtime_config import RuntimeConfig
+from ifb.runtime.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request that passed every check, with its compiled constraint (if guided)."""
+
+    request: Request
+    compiled_grammar: Any = None
+    grammar_compile_s: float = 0.0
+
+
+class Frontend:
+    def __init__(self, engine: EngineConfig, config: RuntimeConfig, tokenizer: Any) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(engine.spec.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        )
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:8]
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        vocab = self.engine.spec.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise AdmissionError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise AdmissionError("this engine's tokenizer has no chat template", field="messages")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+        """Validate against the engine's limits and compile the constraint; raises
+        AdmissionError naming the field. Blocking (a compile may take seconds): async callers
+        run it on a worker thread."""
+        limits = self.engine.limits
+        params.check_vocab(self.engine.spec.vocab_size)
+        check_prompt(
+            len(prompt_token_ids), params.max_tokens, limits.max_seq_len, self.config.num_kv_blocks, limits.block_size
+        )
+        room = limits.max_seq_len - len(prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
+        compiled, seconds = (None, 0.0)
+        if params.guided is not None:
+            compiled, seconds = self.grammar_compiler().compile(params.guided)
+        request = Request(
+            request_id=f"req-{self._id_prefix}-{next(self._ids)}",
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            times=RequestTimes(arrival=time.perf_counter()),
+            eos_token_ids=self.eos_token_ids,
+        )
+        return PreparedRequest(request, compiled, seconds)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Created on first use, so servers without guided requests never load xgrammar."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                stop = sorted(self.eos_token_ids)
+                self._grammars = GrammarCompiler(self.tokenizer, self.engine.spec.vocab_size, stop)
+            return self._grammars

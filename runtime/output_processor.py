@@ -1,0 +1,91 @@
+"""OutputProcessor: turns each sampled token into text and decides the stops only text and
+grammars can see (stop strings, a finished or violated constraint), *before* the scheduler's
+update, so a request is finished in exactly one place (Scheduler.update)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ifb.runtime.detokenizer import IncrementalDetokenizer
+from ifb.runtime.outputs import RequestOutput, TokenLogprob
+from ifb.runtime.request import FinishReason, Request, Stop
+from ifb.runtime.sampling_state import SamplingState
+
+
+class OutputProcessor:
+    """Owns each running request's detokenizer; reads (never owns) its grammar matcher."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, request: Request) -> None:
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self._tokenizer, request.token_ids, request.params.stop
+        )
+
+    def remove(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
+
+    def process(self, sampled: Iterable[tuple[Request, int, SamplingState]]) -> dict[str, Stop]:
+        """Detokenize and advance the grammar for each sampled token; the stops they imply."""
+        stops: dict[str, Stop] = {}
+        for request, token, state in sampled:
+            detok = self._detokenizers[request.request_id]
+            detok.push([token])
+            if detok.stopped:
+                stops[request.request_id] = Stop(FinishReason.STOP)
+            matcher = state.grammar_matcher
+            if matcher is None or matcher.is_terminated():
+                continue
+            if not matcher.accept_token(token):  # the mask forbids this: an internal fault, said so
+                stops[request.request_id] = Stop(
+                    FinishReason.ERROR, f"sampled token {token} is not allowed by the request's constraint"
+                )
+            elif matcher.is_terminated():
+                stops.setdefault(request.request_id, Stop(FinishReason.STOP))  # the constraint is complete
+        return stops
+
+    def token_output(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        final = request.state.is_finished
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=(token,),
+            new_text=self._detokenizers[request.request_id].take(final),
+            finished=final,
+            finish_reason=request.finish_reason,
+            logprobs=(logprob,) if logprob is not None else (),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_prefix_hit_tokens,
+            error=request.error,
+            **(_timings(request) if final else {}),
+        )
+
+    def final_output(self, request: Request) -> RequestOutput:
+        """The end of a request that finished outside a token (abort, error, shutdown)."""
+        detok = self._detokenizers.get(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=(),
+            new_text=detok.take(True) if detok else "",
+            finished=True,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_prefix_hit_tokens,
+            error=request.error,
+            **_timings(request),
+        )
+
+
+def _timings(request: Request) -> dict[str, float | None]:
+    t = request.times
+    end = t.finished or time.perf_counter()
+    return {
+        "ttft_s": None if t.first_token is None else t.first_token - t.arrival,
+        "e2e_s": end - t.arrival,
+        "queue_s": None if t.admitted is None else t.admitted - t.arrival,
+    }

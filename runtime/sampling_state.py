@@ -1,0 +1,35 @@
+"""SamplingState: a request's torch and xgrammar objects, owned by the executor beside the
+torch-free Request (the scheduling side never imports torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ifb.runtime.request import Request
+
+
+@dataclass(slots=True)
+class SamplingState:
+    generator: torch.Generator | None = None  # seeded requests draw their noise from their own
+    grammar_matcher: Any = None  # xgrammar GrammarMatcher of a guided request
+
+    @classmethod
+    def create(cls, seed: int | None, compiled_grammar: Any) -> SamplingState:
+        matcher = None
+        if compiled_grammar is not None:
+            import xgrammar as xgr
+
+            matcher = xgr.GrammarMatcher(compiled_grammar)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return cls(generator, matcher)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One sampling row of a step: the request and its sampling state."""
+
+    request: Request
+    state: SamplingState

@@ -1,0 +1,69 @@
+"""The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics. Admission: 400 for bad input, 429 at once when full, 401 without the key, 503 when
+the step loop cannot serve."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
+from ifb.runtime.llm import LLM
+from ifb.runtime.server.errors import ModelNotFound, error_response, validation_field
+from ifb.runtime.server.guard import GuardMiddleware
+from ifb.runtime.server.routes import Routes
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    llm: LLM, *, api_key: str | None = None, queue_timeout: float | None = None, max_body_bytes: int = 4 << 20
+) -> FastAPI:
+    app = FastAPI(title="ifb", version="0.1.0")
+    routes = Routes(llm, queue_timeout)
+    _add_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.get("/v1/models")(routes.models)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat)
+    app.get("/health")(routes.health)
+    app.get("/metrics")(routes.metrics_text)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, error: RequestValidationError) -> JSONResponse:
+        field, message = validation_field(error)
+        return error_response(400, message, param=field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals (e.g. a body that is not UTF-8) in OpenAI's error shape.
+        param = "body" if error.status_code == 400 else None
+        return error_response(error.status_code, f"request body: {error.detail}", param=param)
+
+    @app.exception_handler(AdmissionError)
+    async def on_admission(_: Request, error: AdmissionError) -> JSONResponse:
+        return error_response(400, str(error), param=error.field)
+
+    @app.exception_handler(QueueFullError)
+    async def on_full(_: Request, error: QueueFullError) -> JSONResponse:
+        return error_response(429, str(error), headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineUnavailableError)
+    async def on_unavailable(_: Request, error: EngineUnavailableError) -> JSONResponse:
+        return error_response(503, str(error))
+
+    @app.exception_handler(ModelNotFound)
+    async def on_not_found(_: Request, error: ModelNotFound) -> JSONResponse:
+        return error_response(404, str(error), param="model", code="model_not_found")
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return error_response(500, f"internal error: {type(error).__name__}")

@@ -1,0 +1,66 @@
+"""The /health body: the Edge-LLM seed's scheduling block (its key names, `queued` and
+`resident`, are that API's) plus KV and guided figures, all read from the published snapshot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ifb.runtime.engine_format import EngineLimits
+from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
+from ifb.runtime.runtime_config import RuntimeConfig
+
+
+def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:
+    c = snapshot.counters
+    return {
+        "submitted": c.submitted,
+        "completed": c.completed,
+        "cancelled": c.cancelled,
+        "failed": c.failed,
+        "refused": c.refused,
+        "admitted_mid_flight": c.admitted_mid_flight,
+        "preempted": c.preempted,
+        "stalls_no_capacity": c.stalls_no_capacity,
+        "stalls_token_budget": c.stalls_token_budget,
+        "stalls_batch_full": c.stalls_batch_full,
+        "queue_latency_avg_us": int(c.queue_latency_avg_s * 1e6),
+        "queue_latency_max_us": int(c.queue_latency_max_s * 1e6),
+        "queued": snapshot.num_waiting,
+        "resident": snapshot.num_running,
+    }
+
+
+def health_body(
+    model: str, health: ExecutorHealth, snapshot: EngineSnapshot, limits: EngineLimits, config: RuntimeConfig
+) -> dict[str, Any]:
+    kv, guided = snapshot.kv, snapshot.guided
+    return {
+        "status": "ok" if health.ok else "unhealthy",
+        "executor": {"alive": health.alive, "stuck": health.stuck, "error": health.error},
+        "model": model,
+        "in_flight_batching": config.max_batch_size > 1,
+        "max_num_seqs": config.max_batch_size,
+        "engine_limits": limits.to_json(),
+        "runtime_limits": {
+            "max_batch_size": config.max_batch_size,
+            "max_num_tokens": config.max_num_tokens,
+            "max_queued_requests": config.max_queued_requests,
+            "policy": config.policy.value,
+            "chunking": config.chunking.value,
+            "enable_prefix_reuse": config.enable_prefix_reuse,
+        },
+        "scheduling": scheduling_block(snapshot),
+        "kv_cache": {
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_blocks_cached": kv.num_cached_blocks,
+            "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
+            "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+        },
+        "guided": {
+            "guided_requests": guided.num_requests,
+            "grammar_compile_seconds_total": guided.compile_seconds_total,
+            "grammar_compile_seconds_max": guided.compile_seconds_max,
+        },
+    }

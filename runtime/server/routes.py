@@ -1,0 +1,109 @@
+"""The OpenAI-compatible endpoints' handlers: parse -> prepare off the loop -> seat -> respond."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ifb.runtime.errors import AdmissionError
+from ifb.runtime.llm import LLM
+from ifb.runtime.server.errors import ModelNotFound
+from ifb.runtime.server.health import health_body
+from ifb.runtime.server.metrics import Metrics
+from ifb.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from ifb.runtime.server.responses import Choice, ResponseShape
+from ifb.runtime.server.streams import close, collect_all, first_delta, sse_events, with_queue_timeout
+
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+
+
+class Routes:
+    def __init__(self, llm: LLM, queue_timeout: float | None) -> None:
+        self.llm = llm
+        self.model_id = llm.model_name
+        self.queue_timeout = queue_timeout
+        self.metrics = Metrics(llm)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_id:
+            raise ModelNotFound(f"model {name!r} does not exist; this server serves {self.model_id!r}")
+
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ifb",
+            "max_model_len": self.llm.engine_config.limits.max_seq_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        prompts = await self.llm.off_loop(_completion_prompts, self.llm, body.prompt)
+        return await self.respond(raw, body, prompts, chat=False)
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        prompt = await self.llm.off_loop(self.llm.apply_chat_template, body.chat_messages())
+        return await self.respond(raw, body, [prompt], chat=True)
+
+    async def respond(self, raw: Request, body: OpenAIRequest, prompts: list[list[int]], chat: bool) -> Response:
+        choices = [
+            Choice(p_index * body.n + j, prompt, body.sampling_params(j))
+            for p_index, prompt in enumerate(prompts)
+            for j in range(body.n)
+        ]
+        opened = await self.llm.open_streams([(c.prompt_token_ids, c.params) for c in choices])
+        streams = [with_queue_timeout(s, self.queue_timeout, self.llm.executor.count_refusal) for s in opened]
+        shape = ResponseShape(
+            ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), self.model_id, chat
+        )
+        if body.stream:
+            return await self._stream(shape, choices, streams, body)
+        task = asyncio.ensure_future(collect_all(streams))
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+        return JSONResponse(shape.final_body(choices, task.result()))
+
+    async def _stream(
+        self, shape: ResponseShape, choices: list[Choice], streams: list[Any], body: OpenAIRequest
+    ) -> Response:
+        try:  # a queue timeout (429) surfaces before any byte is sent
+            first = list(await asyncio.gather(*(first_delta(s) for s in streams)))
+        except BaseException:
+            for stream in streams:
+                await close(stream)
+            raise
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = sse_events(shape, choices, streams, first, bool(include_usage))
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def health(self) -> JSONResponse:
+        llm = self.llm
+        health = llm.health()
+        body = health_body(self.model_id, health, llm.stats(), llm.engine_config.limits, llm.config)
+        return JSONResponse(body, status_code=200 if health.ok else 503)
+
+    async def metrics_text(self) -> Response:
+        return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _completion_prompts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [llm.tokenize(prompt)]
+    if not prompt:
+        raise AdmissionError("prompt is empty", field="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [llm.tokenize(prompt)]  # type: ignore[arg-type]
+    return [llm.tokenize(p) for p in prompt]  # type: ignore[arg-type]

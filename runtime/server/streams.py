@@ -1,0 +1,119 @@
+"""Stream handling for the HTTP routes: the queue timeout on a request's first delta, merging
+the deltas of n > 1 choices, collecting them for a non-streaming body, and the SSE event stream.
+Closing any of these closes the engine streams under it, which aborts unfinished requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+
+from ifb.runtime.errors import QueueFullError
+from ifb.runtime.outputs import RequestOutput
+from ifb.runtime.server.responses import Choice, ResponseShape, usage
+
+Stream = AsyncIterator[RequestOutput]
+
+
+class QueueTimeoutError(QueueFullError):
+    pass
+
+
+async def with_queue_timeout(stream: Stream, queue_timeout: float | None, on_refused: Callable[[], None]) -> Stream:
+    """A request that produces nothing within `queue_timeout` is aborted and refused (429)."""
+    try:
+        first = await asyncio.wait_for(stream.__anext__(), timeout=queue_timeout)
+    except TimeoutError:
+        await close(stream)
+        on_refused()
+        raise QueueTimeoutError(f"request waited longer than the queue timeout of {queue_timeout}s") from None
+    except StopAsyncIteration:
+        return
+    yield first
+    async for output in stream:
+        yield output
+
+
+async def close(stream: Stream) -> None:
+    await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def first_delta(stream: Stream) -> RequestOutput | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def collect_all(streams: list[Stream]) -> list[list[RequestOutput]]:
+    async def one(stream: Stream) -> list[RequestOutput]:
+        return [o async for o in stream]
+
+    try:
+        return list(await asyncio.gather(*(one(s) for s in streams)))
+    finally:
+        for stream in streams:
+            await close(stream)
+
+
+async def sse_events(
+    shape: ResponseShape,
+    choices: list[Choice],
+    streams: list[Stream],
+    first: list[RequestOutput | None],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    collected: list[list[RequestOutput]] = [[] for _ in choices]
+    merged, tasks = merge(streams, first)
+    try:
+        if shape.chat:
+            for choice in choices:
+                yield shape.role_chunk(choice.index)
+        async for i, output in merged:
+            collected[i].append(output)
+            yield shape.delta_chunk(choices[i], output)
+        if include_usage:
+            yield shape.chunk([], usage=usage(choices, collected))
+        yield "data: [DONE]\n\n"
+    finally:  # client gone or done: stop the pumps, which aborts unfinished requests
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await merged.aclose()
+        for stream in streams:
+            await close(stream)
+
+
+def merge(
+    streams: list[Stream], first: list[RequestOutput | None]
+) -> tuple[AsyncGenerator[tuple[int, RequestOutput]], list[asyncio.Task[None]]]:
+    """(index, delta) from all streams as they come. One stream (n=1, the common case) is read
+    directly; several are pumped into one queue by tasks the caller cancels when done."""
+    if len(streams) == 1:
+
+        async def single() -> AsyncGenerator[tuple[int, RequestOutput]]:
+            if first[0] is not None:
+                yield 0, first[0]
+                async for output in streams[0]:
+                    yield 0, output
+
+        return single(), []
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: Stream, head: RequestOutput | None) -> None:
+        if head is not None:
+            await queue.put((i, head))
+            async for output in stream:
+                await queue.put((i, output))
+        await queue.put((i, None))
+
+    async def drain() -> AsyncGenerator[tuple[int, RequestOutput]]:
+        remaining = len(streams)
+        while remaining:
+            i, output = await queue.get()
+            if output is None:
+                remaining -= 1
+            else:
+                yield i, output
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, first, strict=True))]
+    return drain(), tasks
