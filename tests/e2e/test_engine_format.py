@@ -35,7 +35,11 @@ def test_engine_json_records_limits_and_hashes(tiny_llama_engine: Path) -> None:
         "block_size": 16,
         "num_kv_blocks": 48,
     }
-    assert record["backend"] == "cpu" and record["dtype"] == "float32" and record["format_version"] == ENGINE_FORMAT_VERSION
+    assert (
+        record["backend"] == "cpu"
+        and record["dtype"] == "float32"
+        and record["format_version"] == ENGINE_FORMAT_VERSION
+    )
     assert {"step.pt2", "weights.safetensors", "tokenizer/tokenizer.json"} <= set(record["artifacts"])
     assert len(record["source"]["sha256"]) == 64 and record["tokenizer"]["has_chat_template"]
 

@@ -45,3 +45,18 @@ def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("def f():\n    from ifb.builder.build import build_engine\n")
     assert imported_modules(sample) == {"ifb.builder.build"}
+
+
+def test_the_scheduling_side_imports_no_torch() -> None:
+    """Request, scheduler, policies and KV manager are plain Python: they load without torch."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import ifb.runtime.request, ifb.runtime.scheduler, ifb.runtime.policies, ifb.runtime.kv_cache_manager\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'xgrammar', 'numpy')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
