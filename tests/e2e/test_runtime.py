@@ -219,3 +219,34 @@ def test_async_variants_equal_sync(tiny_llama_engine: Path) -> None:
         results = asyncio.run(main())
         assert llm.stats().counters.refused == 0
     assert all(r.token_ids == expected.token_ids and r.text == expected.text for r in results)
+
+
+def test_aborts_during_steps_finish_each_request_exactly_once(tiny_llama_engine: Path) -> None:
+    """Aborts arriving while a step runs are applied before the update: every request ends with
+    one final delta, aborted ones with `abort` and nothing after it."""
+    with LLM(tiny_llama_engine, max_batch_size=4) as llm:
+        step = llm.engine.step
+
+        def slow_step(inputs):  # type: ignore[no-untyped-def]
+            time.sleep(0.03)
+            return step(inputs)
+
+        llm.engine.step = slow_step  # type: ignore[method-assign]
+        finished: list[str] = []
+        llm.executor.finish_listeners.append(lambda request: finished.append(request.request_id))
+        deltas: dict[str, list[RequestOutput]] = {}
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        ids = [
+            llm.submit([5, 6, 7 + i], params, lambda o: deltas.setdefault(o.request_id, []).append(o)) for i in range(6)
+        ]
+        for request_id in ids[::2]:
+            time.sleep(0.05)  # lands inside some step
+            llm.abort(request_id)
+        wait_until(lambda: len(finished) >= len(ids))
+        time.sleep(0.1)
+    assert sorted(finished) == sorted(ids)  # each exactly once
+    for request_id in ids:
+        outputs = deltas[request_id]
+        assert [o.finished for o in outputs].count(True) == 1 and outputs[-1].finished
+        expected = FinishReason.ABORT if request_id in ids[::2] else FinishReason.LENGTH
+        assert outputs[-1].finish_reason is expected
