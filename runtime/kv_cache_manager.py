@@ -3,7 +3,7 @@
     pool:  [ b0 b1 b2 ... b(N-1) ]     each block holds block_size tokens of every layer's K/V
     free:  LRU order, head evicted first; holds never-used blocks and cached blocks nobody
            references (ref_count == 0), which stay reusable until evicted
-    cached: hash(parent hash, block's tokens, salt) -> block_id, for full, computed blocks
+    cached: sha256(parent key, salt, block's tokens) -> block_id (prefix_hash.py), for full, computed blocks
 
 A request's block_ids is its block table. Blocks are released tail-first so that the end of a
 prompt is evicted before its shared beginning.
@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ifb.runtime.prefix_hash import ROOT_KEY, prefix_block_keys
 from ifb.runtime.request import Request
 
 
@@ -23,7 +24,7 @@ from ifb.runtime.request import Request
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
 
 
 class KVCacheManager:
@@ -33,8 +34,8 @@ class KVCacheManager:
         self.enable_prefix_reuse = enable_prefix_reuse
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}
-        self._hashes: dict[str, list[int]] = {}  # request_id -> hash chain of its full blocks
+        self._cached: dict[bytes, int] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # request_id -> hash chain of its full blocks
         self._num_published: dict[str, int] = {}
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -63,14 +64,12 @@ class KVCacheManager:
         return max(0, self.blocks_for_tokens(request.max_total_tokens) - len(request.block_ids))
 
     # -- prefix reuse -------------------------------------------------------------------------
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         chain = self._hashes.setdefault(request.request_id, [])
-        salt = request.params.cache_salt
-        bs = self.block_size
-        while len(chain) < num_full_blocks:
-            i = len(chain)
-            parent = chain[-1] if chain else 0
-            chain.append(hash((parent, tuple(request.token_ids[i * bs : (i + 1) * bs]), salt)))
+        if len(chain) < num_full_blocks:
+            parent = chain[-1] if chain else ROOT_KEY
+            salt = request.params.cache_salt
+            chain += prefix_block_keys(request.token_ids, self.block_size, salt, len(chain), parent, num_full_blocks)
         return chain[:num_full_blocks]
 
     def match_prefix(self, request: Request) -> list[int]:

@@ -104,3 +104,18 @@ def test_disabled_prefix_reuse_never_hits() -> None:
     kv.admit(a, [])
     computed(kv, a, 9)
     assert kv.match_prefix(make_request(0, 1, prompt=list(range(9)))) == []
+
+
+def test_prefix_keys_are_sha256_chains_salted_per_tenant() -> None:
+    """Equal blocks chain to equal keys; any earlier difference, or another salt, changes them."""
+    from ifb.runtime.prefix_hash import prefix_block_keys
+
+    tokens = list(range(40))
+    keys = prefix_block_keys(tokens, 16, None)
+    assert len(keys) == 2 and all(len(k) == 32 for k in keys)
+    assert prefix_block_keys(tokens[:32], 16, None) == keys
+    assert prefix_block_keys([99] + tokens[1:], 16, None)[1] != keys[1]  # the chain carries the parent
+    assert prefix_block_keys(tokens, 16, "tenant-a") != keys
+    assert prefix_block_keys(tokens, 16, "tenant-a") != prefix_block_keys(tokens, 16, "tenant-b")
+    resumed = prefix_block_keys(tokens, 16, None, start=1, parent=keys[0])
+    assert resumed == keys[1:]
