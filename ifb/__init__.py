@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+__version__ = "0.1.0"  # also in pyproject.toml; `ifb --version`, /version and the OpenAPI doc report it
 
 
 def __getattr__(name: str) -> Any:

@@ -35,8 +35,11 @@ class PreparedRequest:
 
 
 class Frontend:
-    def __init__(self, engine: EngineConfig, config: RuntimeConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, engine: EngineConfig, config: RuntimeConfig, tokenizer: Any, chat_template: str | None = None
+    ) -> None:
         self.engine = engine
+        self.chat_template = chat_template or tokenizer.chat_template
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(engine.spec.eos_token_ids) | (
@@ -49,16 +52,24 @@ class Frontend:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            try:
+                return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            except UnicodeEncodeError:
+                raise AdmissionError("prompt is not valid Unicode (a lone surrogate?)", field="prompt") from None
         vocab = self.engine.spec.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             raise AdmissionError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not self.tokenizer.chat_template:
+        if not self.chat_template:
             raise AdmissionError("this engine's tokenizer has no chat template", field="messages")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except UnicodeEncodeError:
+            raise AdmissionError("message content is not valid Unicode (a lone surrogate?)", field="messages") from None
         return list(ids)
 
     def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:

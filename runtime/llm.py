@@ -46,7 +46,7 @@ class LLM:
         self.engine_config = EngineConfig.load(engine)
         self.config: RuntimeConfig = resolve_runtime_config(self.engine_config, self.settings)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_path))
-        self.frontend = Frontend(self.engine_config, self.config, self.tokenizer)
+        self.frontend = Frontend(self.engine_config, self.config, self.tokenizer, self.settings.chat_template)
         self.executor = Executor(
             lambda: Engine(self.engine_config, self.settings.step_mode), self._make_scheduler(), self.tokenizer
         )

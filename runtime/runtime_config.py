@@ -24,6 +24,7 @@ class RuntimeSettings:
     default_max_tokens: int = 512
     kv_blocks: int | None = None
     step_mode: StepMode = StepMode.COMPILED
+    chat_template: str | None = None  # a Jinja template replacing the tokenizer's own
 
     def __post_init__(self) -> None:  # accept the enums' string values from CLIs and callers
         object.__setattr__(self, "policy", CapacityPolicyKind(self.policy))

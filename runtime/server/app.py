@@ -5,29 +5,53 @@ the step loop cannot serve."""
 from __future__ import annotations
 
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ifb import __version__
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
 from ifb.runtime.llm import LLM
 from ifb.runtime.server.errors import ModelNotFound, error_response, validation_field
-from ifb.runtime.server.guard import GuardMiddleware
+from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware
 from ifb.runtime.server.routes import Routes
 
 logger = logging.getLogger(__name__)
 
 
 def create_app(
-    llm: LLM, *, api_key: str | None = None, queue_timeout: float | None = None, max_body_bytes: int = 4 << 20
+    llm: LLM,
+    *,
+    api_key: str | None = None,
+    queue_timeout: float | None = None,
+    max_body_bytes: int = 4 << 20,
+    served_model_names: tuple[str, ...] = (),
+    allowed_origins: tuple[str, ...] = (),
 ) -> FastAPI:
-    app = FastAPI(title="ifb", version="0.1.0")
-    routes = Routes(llm, queue_timeout)
+    """`served_model_names`: the names clients may use (the first is reported), default the
+    engine's model name; `allowed_origins`: CORS origins (none by default: no CORS headers)."""
+    with_key = api_key is not None
+    app = FastAPI(
+        title="ifb",
+        version=__version__,
+        docs_url=None if with_key else "/docs",
+        redoc_url=None if with_key else "/redoc",
+        openapi_url=None if with_key else "/openapi.json",
+    )
+    routes = Routes(llm, queue_timeout, served_model_names or (llm.model_name,))
     _add_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    if allowed_origins:  # added last, so it runs first: preflight requests carry no API key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
+    app.get(LIVENESS_PATH)(routes.live)
     app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id:path}")(routes.model)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat)
     app.get("/health")(routes.health)
@@ -65,5 +89,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unexpected error")
-        return error_response(500, f"internal error: {type(error).__name__}")
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception("unexpected error %s", error_id)
+        return error_response(500, f"internal error {error_id}: {type(error).__name__} (the server log has it)")

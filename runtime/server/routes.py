@@ -25,25 +25,30 @@ OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
 class Routes:
-    def __init__(self, llm: LLM, queue_timeout: float | None) -> None:
+    def __init__(self, llm: LLM, queue_timeout: float | None, model_names: tuple[str, ...]) -> None:
         self.llm = llm
-        self.model_id = llm.model_name
+        self.model_names = model_names
+        self.model_id = model_names[0]
         self.queue_timeout = queue_timeout
         self.metrics = Metrics(llm)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_id:
-            raise ModelNotFound(f"model {name!r} does not exist; this server serves {self.model_id!r}")
+        if name is not None and name not in self.model_names:
+            raise ModelNotFound(f"model {name!r} does not exist; this server serves {', '.join(self.model_names)}")
+
+    async def live(self) -> dict[str, str]:
+        return {"status": "alive"}
+
+    def _card(self, name: str) -> dict[str, Any]:
+        limit = self.llm.engine_config.limits.max_seq_len
+        return {"id": name, "object": "model", "created": 0, "owned_by": "ifb", "max_model_len": limit}
 
     async def models(self) -> dict[str, Any]:
-        card = {
-            "id": self.model_id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "ifb",
-            "max_model_len": self.llm.engine_config.limits.max_seq_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [self._card(name) for name in self.model_names]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        self.check_model(model_id)
+        return self._card(model_id)
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_model(body.model)

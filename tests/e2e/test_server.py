@@ -182,6 +182,21 @@ def test_bad_input_names_its_field(server: tuple[str, LLM], raw: bytes, field: s
     assert httpx.get(base + "/health").status_code == 200
 
 
+def test_chunked_body_over_the_limit_is_413(server: tuple[str, LLM]) -> None:
+    """No Content-Length (chunked transfer): the limit holds on the bytes received."""
+    base, _ = server
+
+    def chunks():  # type: ignore[no-untyped-def]
+        yield b'{"prompt": "'
+        for _ in range(6):
+            yield b"a" * (1 << 20)
+        yield b'", "max_tokens": 1}'
+
+    response = httpx.post(base + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and "limit" in response.json()["error"]["message"]
+    assert httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 200
+
+
 def test_oversized_body_is_413(server: tuple[str, LLM]) -> None:
     base, _ = server
     response = httpx.post(
@@ -190,12 +205,17 @@ def test_oversized_body_is_413(server: tuple[str, LLM]) -> None:
     assert response.status_code == 413
 
 
-def test_api_key_guards_v1_but_not_health(tiny_llama_engine: Path) -> None:
+def test_api_key_guards_every_route_but_liveness(tiny_llama_engine: Path) -> None:
+    """With a key: /v1/*, /health, /metrics and the API docs all need it; /health/live does not."""
     llm = LLM(tiny_llama_engine)
+    key = {"Authorization": "Bearer sekret"}
     with running_server(llm, api_key="sekret") as base:
-        assert httpx.get(base + "/v1/models").status_code == 401
-        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
-        assert httpx.get(base + "/health").status_code == 200
+        for path in ("/v1/models", "/health", "/metrics"):
+            assert httpx.get(base + path).status_code == 401, path
+            assert httpx.get(base + path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+            assert httpx.get(base + path, headers=key).status_code == 200, path
+        assert httpx.get(base + "/openapi.json", headers=key).status_code == 404  # no schema to probe
+        assert httpx.get(base + "/health/live").json() == {"status": "alive"}
         client = openai.OpenAI(base_url=base + "/v1", api_key="sekret")
         assert client.completions.create(model=llm.model_name, prompt="hi", max_tokens=2).choices
     llm.close()
