@@ -36,11 +36,10 @@ class IncrementalDetokenizer:
         searched_from = max(0, len(self.text) - self.holdback)
         self.text += after[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        for stop in self.stop:
-            index = self.text.find(stop, searched_from)
-            if index != -1:
-                self.text = self.text[:index]
-                self.stopped = True
+        found = [i for i in (self.text.find(stop, searched_from) for stop in self.stop) if i != -1]
+        if found:  # the earliest stop string wins, whatever order they were given in
+            self.text = self.text[: min(found)]
+            self.stopped = True
 
     def take(self, final: bool) -> str:
         """The text safe to show now (everything, once the request is final)."""

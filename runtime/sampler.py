@@ -52,7 +52,9 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     remove = ranks >= k[:, None]
     probs = sorted_logits.softmax(dim=-1)
     cumulative = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    remove |= cumulative >= top_p[:, None]
+    # Only rows that ask for top-p: float32 cumsums pass 1.0 in a long tail, which would cut
+    # tokens from a top_p=1 row sharing the batch with one that filters.
+    remove |= (cumulative >= top_p[:, None]) & (top_p[:, None] < 1)
     remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)

@@ -1,0 +1,128 @@
+"""IncrementalDetokenizer: stop-string holdback, stops across tokens, final flush, streamed text = full decode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tiny_models import tiny_tokenizer
+
+from ifb.runtime.detokenizer import IncrementalDetokenizer
+
+# Hand-picked pieces, so each test chooses exactly where token boundaries fall.
+PIECES = ["<unk>", "</s>", "Hel", "lo", " wo", "rld", " ST", "OP", "!", " S", "T", "x"]
+ID = {piece: index for index, piece in enumerate(PIECES)}
+
+
+@pytest.fixture(scope="module")
+def pieces_tokenizer() -> Any:
+    """A WordLevel tokenizer whose decode is the plain concatenation of the pieces."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(dict(ID), unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer() -> Any:
+    return tiny_tokenizer()
+
+
+def stream(detok: IncrementalDetokenizer, token_ids: list[int]) -> list[str]:
+    """Push tokens one at a time, taking the non-final delta after each."""
+    deltas = []
+    for token in token_ids:
+        detok.push([token])
+        deltas.append(detok.take(final=False))
+    return deltas
+
+
+def ids(*pieces: str) -> list[int]:
+    return [ID[p] for p in pieces]
+
+
+def test_text_that_could_become_a_stop_string_is_held_back(pieces_tokenizer: Any) -> None:
+    """After ' ST' (a possible start of 'STOP') nothing of 'ST' has been emitted yet."""
+    detok = IncrementalDetokenizer(pieces_tokenizer, ids("x"), stop=("STOP",))
+    emitted = "".join(stream(detok, ids("Hel", "lo", " wo", "rld", " ST")))
+    assert "S" not in emitted
+    assert emitted.rstrip() == "Hello world"
+    assert not detok.stopped
+
+
+def test_stop_string_spanning_two_tokens_is_found_and_cut(pieces_tokenizer: Any) -> None:
+    """' ST' + 'OP' completes 'STOP': the request stops and the stream ends right before it."""
+    detok = IncrementalDetokenizer(pieces_tokenizer, ids("x"), stop=("STOP",))
+    deltas = stream(detok, ids("Hel", "lo", " wo", "rld", " ST", "OP"))
+    assert detok.stopped
+    assert "".join(deltas) == "Hello world "
+    assert all("S" not in delta for delta in deltas)  # the held-back part was never shown
+
+
+def test_stop_string_inside_one_token_is_cut(pieces_tokenizer: Any) -> None:
+    """A stop string in the middle of a single token cuts the text there."""
+    detok = IncrementalDetokenizer(pieces_tokenizer, ids("x"), stop=("rl",))
+    deltas = stream(detok, ids("Hel", "lo", " wo", "rld"))
+    assert detok.stopped
+    assert "".join(deltas) == "Hello wo"
+
+
+def test_stop_string_in_the_prompt_does_not_stop_the_output(pieces_tokenizer: Any) -> None:
+    """Only generated text is searched: a prompt ending in ' ST' plus an output 'OP' is no stop."""
+    detok = IncrementalDetokenizer(pieces_tokenizer, ids("Hel", " ST"), stop=("STOP",))
+    deltas = stream(detok, ids("OP", "!"))
+    assert not detok.stopped
+    assert "".join(deltas) + detok.take(final=True) == "OP!"
+
+
+def test_final_take_flushes_the_held_back_text(pieces_tokenizer: Any) -> None:
+    """take(final=True) returns the held-back tail; nothing is lost when no stop completes."""
+    detok = IncrementalDetokenizer(pieces_tokenizer, ids("x"), stop=("STOP",))
+    deltas = stream(detok, ids("Hel", "lo", " ST"))
+    tail = detok.take(final=True)
+    assert tail.endswith(" ST")
+    assert "".join(deltas) + tail == "Hello ST"
+    assert detok.take(final=True) == ""  # flushed once
+
+
+def test_without_stop_strings_every_token_is_emitted_at_once(pieces_tokenizer: Any) -> None:
+    """No stop strings: each take right after a push returns exactly that token's text."""
+    detok = IncrementalDetokenizer(pieces_tokenizer, ids("x"), stop=())
+    tokens = ids("Hel", "lo", " ST", "OP", "!")
+    assert stream(detok, tokens) == ["Hel", "lo", " ST", "OP", "!"]
+
+
+def test_special_tokens_add_no_text(pieces_tokenizer: Any) -> None:
+    """An EOS token decodes to nothing (skip_special_tokens), and later text still streams."""
+    detok = IncrementalDetokenizer(pieces_tokenizer, ids("x"), stop=())
+    assert stream(detok, ids("Hel", "</s>", "lo")) == ["Hel", "", "lo"]
+
+
+@pytest.mark.parametrize("stop", [(), ("zzz",), ("quick brown fox jumps",)])
+def test_concatenated_deltas_equal_the_full_decode(bpe_tokenizer: Any, stop: tuple[str, ...]) -> None:
+    """Byte-level BPE with multi-byte characters split across tokens: the stream equals decode()."""
+    prompt = bpe_tokenizer.encode("paged attention", add_special_tokens=False)
+    text = " hello wörld, héllo the quick brown fox ✓ 0123"
+    output = bpe_tokenizer.encode(text, add_special_tokens=False)
+    assert len(output) > len(text.split())  # some characters really span several tokens
+    detok = IncrementalDetokenizer(bpe_tokenizer, prompt, stop=stop)
+    deltas = stream(detok, output) + [detok.take(final=True)]
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert "".join(deltas) == bpe_tokenizer.decode(output) == text
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        ("orl", "rld"),
+        ("rld", "orl"),
+    ],
+)
+def test_earliest_stop_string_wins_whatever_the_list_order(pieces_tokenizer: Any, stop: tuple[str, ...]) -> None:
+    """'rld' completes 'orl' (at 7) and 'rld' (at 8) in one push: the text ends before the earlier, 'Hello w'."""
+    detok = IncrementalDetokenizer(pieces_tokenizer, ids("x"), stop=stop)
+    deltas = stream(detok, ids("Hel", "lo", " wo", "rld"))
+    assert detok.stopped
+    assert "".join(deltas) == "Hello w"
