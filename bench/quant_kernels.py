@@ -1,6 +1,6 @@
 """Block-quantized matmul kernels vs torch fp32 F.linear, over SmolLM2-135M's linear layers.
 
-    .venv/bin/python bench/quant_kernels.py [--threads 2] [--repeats 5] [--bandwidth-gbs 36]
+    .venv/bin/python bench/quant_kernels.py [--threads 2] [--repeats 5] [--bandwidth-gbs 36] [--isa avx2]
 
 For M = 1, 8, 32 and 512 rows, runs every linear of one model step (30 layers of qkv, o,
 gate_up, down in Q4_1, then the Q8_0 lm_head) with distinct weights per layer, so weights
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import build_quant_library, load_quant_library
+from ifb.plugins.quant_build import QuantIsa, build_quant_library, load_quant_library
 from ifb.plugins.quant_formats import WeightFormat, block_bytes, dequantize, quantize
 
 LAYERS = 30
@@ -93,10 +93,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bandwidth-gbs", type=float, default=36.0)
+    parser.add_argument("--isa", choices=[isa.value for isa in QuantIsa], help="default: the best this CPU runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
-        library = build_quant_library(Path(scratch))
+        library = build_quant_library(Path(scratch), QuantIsa(args.isa) if args.isa else None)
         isa = load_quant_library(library.path, library.required_features)
     linears = model_linears()
     floor_ms = block_bytes_read(linears) / (args.bandwidth_gbs * 1e9) * 1e3

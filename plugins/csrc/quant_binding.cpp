@@ -1,0 +1,93 @@
+// Torch binding of the block-quantized matmul: CPU kernels for the ifb_quant ops and AOTI C shims.
+//
+// The op schemas are defined in Python (plugins/quant_ops.py); this file registers their CPU
+// kernels, splits the column tiles over at::parallel_for (torch.set_num_threads applies), and
+// exports extern "C" shims with the names AOTInductor generates for ops listed in
+// config.aot_inductor.custom_ops_to_c_shims, so a compiled graph calls the kernel directly.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "quant_kernels.h"
+
+#define IFB_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace ifb_quant {
+namespace {
+
+Format parse_format(c10::string_view name) {
+  if (name == "q4_0") return Format::kQ4_0;
+  if (name == "q4_1") return Format::kQ4_1;
+  if (name == "q8_0") return Format::kQ8_0;
+  TORCH_CHECK(false, "ifb_quant: unknown block format '", std::string(name), "' (q4_0, q4_1, q8_0)");
+}
+
+void check_packed(const at::Tensor& packed, Format format, int64_t n, int64_t k) {
+  TORCH_CHECK(n > 0 && k > 0 && k % kBlockSize == 0, "ifb_quant: k must be a positive multiple of 32, got n=", n,
+              " k=", k);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "ifb_quant: packed weights must be a contiguous CPU uint8 tensor");
+  const int64_t expected = num_tiles(n) * (k / kBlockSize) * kTileColumns * block_bytes(format);
+  TORCH_CHECK(packed.numel() == expected, "ifb_quant: packed weights hold ", packed.numel(), " bytes, expected ",
+              expected, " for n=", n, " k=", k);
+}
+
+// Grain in tiles: chunks under ~32K multiply-adds are not worth waking a second thread for.
+int64_t grain_tiles(int64_t m, int64_t k) { return std::max<int64_t>(1, (int64_t{1} << 15) / (m * k * kTileColumns)); }
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& packed, c10::string_view format_name, int64_t n,
+                        int64_t k) {
+  const Format format = parse_format(format_name);
+  check_packed(packed, format, n, k);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == k,
+              "ifb_quant: x must be a CPU float32 tensor [..., ", k, "], got ", x.sizes());
+  const at::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t m = rows.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (m == 0) return y;
+  const Problem problem{rows.const_data_ptr<float>(), k, packed.const_data_ptr<uint8_t>(), y.mutable_data_ptr<float>(),
+                        n, m, n, k, format};
+  at::parallel_for(0, num_tiles(n), grain_tiles(m, k),
+                   [&](int64_t begin, int64_t end) { run_tiles(problem, begin, end); });
+  return y;
+}
+
+at::Tensor quant_dequantize(const at::Tensor& packed, c10::string_view format_name, int64_t n, int64_t k) {
+  const Format format = parse_format(format_name);
+  check_packed(packed, format, n, k);
+  at::Tensor w = at::empty({n, k}, packed.options().dtype(at::kFloat));
+  at::parallel_for(0, num_tiles(n), 1, [&](int64_t begin, int64_t end) {
+    dequantize_tiles(packed.const_data_ptr<uint8_t>(), format, n, k, w.mutable_data_ptr<float>(), begin, end);
+  });
+  return w;
+}
+
+}  // namespace
+}  // namespace ifb_quant
+
+TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) {
+  m.impl("quant_matmul", &ifb_quant::quant_matmul);
+  m.impl("quant_dequantize", &ifb_quant::quant_dequantize);
+}
+
+// AOTInductor names a custom op's shim aoti_torch_<device>_<op name> and passes tensors as
+// handles, str as const char*, int as int64_t, then one output handle per returned tensor.
+IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_matmul(AtenTensorHandle x, AtenTensorHandle packed,
+                                                       const char* format, int64_t n, int64_t k,
+                                                       AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor y = ifb_quant::quant_matmul(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
+                                           *torch::aot_inductor::tensor_handle_to_tensor_pointer(packed),
+                                           format, n, k);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
+  });
+}
+
+IFB_EXPORT const char* ifb_quant_isa_name() { return ifb_quant::isa_name(); }

@@ -1,0 +1,46 @@
+// Block-quantized weight matmul kernels: the torch-free interface between kernel and binding.
+//
+// The kernel translation unit (quant_matmul.cpp) includes no torch header so it compiles in about
+// a second with the ISA flags; the binding (quant_binding.cpp) owns threading and tensors.
+#pragma once
+
+#include <cstdint>
+
+namespace ifb_quant {
+
+enum class Format : int32_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+constexpr int64_t kTileColumns = 16;  // output columns per packed tile (one AVX-512 register)
+constexpr int64_t kBlockSize = 32;    // weights per GGUF block along K
+
+// One y[M,N] = x[M,K] @ W[N,K]^T problem over tile-packed weights (see quant_ops.py).
+struct Problem {
+  const float* x;
+  int64_t x_row_stride;
+  const uint8_t* packed;
+  float* y;
+  int64_t y_row_stride;
+  int64_t m;
+  int64_t n;
+  int64_t k;
+  Format format;
+};
+
+// Bytes of one GGUF block (18, 20, 34); a packed tile-block holds kTileColumns of them.
+int64_t block_bytes(Format format);
+
+// Number of column tiles: ceil(n / kTileColumns). Threads split [0, num_tiles) only.
+int64_t num_tiles(int64_t n);
+
+// Computes the output columns of tiles [tile_begin, tile_end) for every row of the problem.
+void run_tiles(const Problem& problem, int64_t tile_begin, int64_t tile_end);
+
+// Writes the exact fp32 weights W[n, k] (row-major [N, K]) of tiles [tile_begin, tile_end),
+// with the same in-register dequantization the matmul uses.
+void dequantize_tiles(const uint8_t* packed, Format format, int64_t n, int64_t k, float* out,
+                      int64_t tile_begin, int64_t tile_end);
+
+// "avx512" or "avx2": the path this library was compiled for.
+const char* isa_name();
+
+}  // namespace ifb_quant

@@ -1,0 +1,367 @@
+// Block-quantized weight matmul kernels (Q4_0, Q4_1, Q8_0) for AVX-512 or AVX2+FMA+F16C.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k], where w is dequantized in registers to its exact fp32 value
+// (the value gguf.quants.dequantize gives) and every output element is one serial chain of fp32
+// FMAs over k = 0, 1, ..., K-1 starting from +0. Output columns sit in vector lanes and x[m, k] is
+// broadcast, so no code path reorders or splits that chain: the same bits come out whatever M is,
+// wherever the row sits in the batch, and however many threads split the column tiles.
+//
+// Packed tile-block (16 output columns x 32 weights; built by plugins/quant_ops.py::pack):
+//   Q4_0: d[16] fp16 | quants[16][16]           (288 B)   w = (q - 8) * d
+//   Q4_1: d[16] fp16 | m[16] fp16 | quants[16][16] (320 B)   w = q * d + m
+//   Q8_0: d[16] fp16 | quants[32][16] int8      (544 B)   w = q * d
+// Q4 quants row i, byte j: column j's weights 2i (low nibble) and 2i+1 (high nibble), so one
+// 16-byte load feeds two consecutive k. Q8 quants row i, byte j: column j's weight i.
+//
+// Two schedules, same per-element arithmetic: M <= kDirectRows dequantizes in registers right
+// before the FMAs (several tiles side by side to hide FMA latency); larger M dequantizes a
+// 128-k chunk of a tile pair into an L1 panel that every 12-row block reads, parking the FMA
+// chains in y between chunks (an exact fp32 store/load). Threads only ever split tiles.
+//
+// Compiled with -ffp-contract=off: every rounding below is spelled out by an intrinsic.
+#include "quant_kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace ifb_quant {
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr const char* kIsa = "avx512";
+// 12 rows x 2 tiles = 24 accumulators of the 32 zmm registers.
+constexpr int kPanelTiles = 2;
+constexpr int kPanelRows = 12;
+
+struct V {  // 16 fp32 lanes: one per output column of a tile
+  __m512 a;
+};
+struct QI {  // 16 int32 lanes
+  __m512i a;
+};
+inline V zero() { return {_mm512_setzero_ps()}; }
+inline V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, V v) { _mm512_storeu_ps(p, v.a); }
+inline V broadcast(float x) { return {_mm512_set1_ps(x)}; }
+inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.a, b.a, c.a)}; }
+inline V mul(V a, V b) { return {_mm512_mul_ps(a.a, b.a)}; }
+inline V sub(V a, V b) { return {_mm512_sub_ps(a.a, b.a)}; }
+inline V halves(const uint8_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline QI bytes_unsigned(const uint8_t* p) {
+  return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+inline QI bytes_signed(const uint8_t* p) {
+  return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+inline QI low_nibble(QI q) { return {_mm512_and_si512(q.a, _mm512_set1_epi32(15))}; }
+inline QI high_nibble(QI q) { return {_mm512_srli_epi32(q.a, 4)}; }
+inline V to_float(QI q) { return {_mm512_cvtepi32_ps(q.a)}; }
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr const char* kIsa = "avx2";
+// 6 rows x 1 tile x 2 ymm = 12 accumulators of the 16 ymm registers.
+constexpr int kPanelTiles = 1;
+constexpr int kPanelRows = 6;
+
+struct V {
+  __m256 lo, hi;
+};
+struct QI {
+  __m256i lo, hi;
+};
+inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, V v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline V broadcast(float x) {
+  const __m256 b = _mm256_set1_ps(x);
+  return {b, b};
+}
+inline V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V halves(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline QI bytes_unsigned(const uint8_t* p) {
+  return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline QI bytes_signed(const uint8_t* p) {
+  return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline QI low_nibble(QI q) {
+  const __m256i mask = _mm256_set1_epi32(15);
+  return {_mm256_and_si256(q.lo, mask), _mm256_and_si256(q.hi, mask)};
+}
+inline QI high_nibble(QI q) { return {_mm256_srli_epi32(q.lo, 4), _mm256_srli_epi32(q.hi, 4)}; }
+inline V to_float(QI q) { return {_mm256_cvtepi32_ps(q.lo), _mm256_cvtepi32_ps(q.hi)}; }
+
+#else
+#error "quant_matmul.cpp needs -mavx512f -mavx512bw -mavx512vl or -mavx2 -mfma -mf16c"
+#endif
+
+// Small M dequantizes each weight in registers right before its FMAs; above this many rows the
+// tile is dequantized once per K-chunk into an L1-resident panel reused by every row block.
+#if defined(__AVX512F__)
+constexpr int kDirectRows = 8;
+#else
+constexpr int kDirectRows = 4;  // 4 rows x 2 ymm of accumulators already take half the registers
+#endif
+
+// Tiles the direct path runs side by side. With one row, one tile is a single serial FMA chain
+// and latency-bound (4 cycles per k on Zen 4: 15.9 GB/s of Q4_1 at M=1 on 2 cores); independent
+// tiles fill the FMA pipes without touching any element's own chain.
+constexpr int direct_tiles_for(int rows) {
+#if defined(__AVX512F__)
+  return rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+#else
+  return rows == 1 ? 2 : 1;
+#endif
+}
+
+// K is walked in chunks of this many blocks in the panel path: 128 k x 32 columns x 4 B = 16 KB
+// of panel stays in L1 while every row block reads it (the whole K panel spilled to L2).
+constexpr int64_t kChunkBlocks = 4;
+
+template <Format F>
+constexpr int64_t tile_block_bytes() {
+  return (F == Format::kQ4_0 ? 18 : F == Format::kQ4_1 ? 20 : 34) * kTileColumns;
+}
+
+// The exact fp32 weights of one tile-block, two consecutive k at a time.
+template <Format F>
+struct Decoder {
+  V d, m;
+  const uint8_t* quants;
+
+  explicit Decoder(const uint8_t* block) : d(halves(block)), m(zero()), quants(block + 32) {
+    if constexpr (F == Format::kQ4_1) {
+      m = halves(block + 32);
+      quants = block + 64;
+    }
+  }
+
+  // Weights of k = 2i and 2i + 1 within the block.
+  inline void pair(int i, V& w0, V& w1) const {
+    if constexpr (F == Format::kQ8_0) {
+      w0 = mul(to_float(bytes_signed(quants + 32 * i)), d);  // numpy: x * d
+      w1 = mul(to_float(bytes_signed(quants + 32 * i + 16)), d);
+    } else {
+      const QI q = bytes_unsigned(quants + 16 * i);
+      if constexpr (F == Format::kQ4_0) {
+        // (q - 8) is exact; the product has at most 4 + 11 significant bits: exact, as numpy's.
+        const V eight = broadcast(8.0f);
+        w0 = mul(d, sub(to_float(low_nibble(q)), eight));
+        w1 = mul(d, sub(to_float(high_nibble(q)), eight));
+      } else {
+        // numpy rounds d * q, then + m. d * q has at most 4 + 11 significant bits, so that
+        // rounding is exact and one FMA rounds the sum exactly as numpy's add does.
+        w0 = fmadd(to_float(low_nibble(q)), d, m);
+        w1 = fmadd(to_float(high_nibble(q)), d, m);
+      }
+    }
+  }
+};
+
+inline void store_columns(float* dst, V v, int64_t valid) {
+  if (valid >= kTileColumns) {
+    store(dst, v);
+    return;
+  }
+  alignas(64) float tmp[kTileColumns];
+  store(tmp, v);
+  std::memcpy(dst, tmp, static_cast<size_t>(valid) * sizeof(float));
+}
+
+inline V load_columns(const float* src, int64_t valid) {
+  if (valid >= kTileColumns) return load(src);
+  alignas(64) float tmp[kTileColumns] = {};
+  std::memcpy(tmp, src, static_cast<size_t>(valid) * sizeof(float));
+  return load(tmp);
+}
+
+// Rows [row0, row0 + R) of tiles [tile0, tile0 + T), weights dequantized on the fly.
+template <Format F, int R, int T>
+void direct_tiles(const Problem& p, int64_t tile0, int64_t row0) {
+  const int64_t num_blocks = p.k / kBlockSize;
+  const int64_t tile_stride = num_blocks * tile_block_bytes<F>();
+  const uint8_t* blocks = p.packed + tile0 * tile_stride;
+  const float* x = p.x + row0 * p.x_row_stride;
+  V acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = zero();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* xb = x + b * kBlockSize;
+    const uint8_t* block = blocks + b * tile_block_bytes<F>();
+    for (int i = 0; i < 16; ++i) {
+      V w[2][T];
+      for (int t = 0; t < T; ++t) Decoder<F>(block + t * tile_stride).pair(i, w[0][t], w[1][t]);
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < R; ++r) {
+          const V xv = broadcast(xb[r * p.x_row_stride + 2 * i + h]);
+          for (int t = 0; t < T; ++t) acc[r][t] = fmadd(xv, w[h][t], acc[r][t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t col0 = (tile0 + t) * kTileColumns;
+    for (int r = 0; r < R; ++r) store_columns(p.y + (row0 + r) * p.y_row_stride + col0, acc[r][t], p.n - col0);
+  }
+}
+
+// panel[k][tiles * 16]: the exact weights of blocks [block0, block0 + num_blocks) of `tiles`
+// consecutive tiles, k-major.
+template <Format F>
+void dequantize_panel(const Problem& p, int64_t tile0, int tiles, int64_t block0, int64_t num_blocks, float* panel) {
+  const int64_t tile_stride = (p.k / kBlockSize) * tile_block_bytes<F>();
+  const int64_t stride = tiles * kTileColumns;
+  for (int t = 0; t < tiles; ++t) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const Decoder<F> decoder(p.packed + (tile0 + t) * tile_stride + (block0 + b) * tile_block_bytes<F>());
+      float* out = panel + b * kBlockSize * stride + t * kTileColumns;
+      for (int i = 0; i < 16; ++i) {
+        V w0, w1;
+        decoder.pair(i, w0, w1);
+        store(out + 2 * i * stride, w0);
+        store(out + (2 * i + 1) * stride, w1);
+      }
+    }
+  }
+}
+
+// Rows [row0, row0 + R) x T tiles over k in [k0, k0 + num_k) from a dequantized panel chunk,
+// continuing the FMA chains stored in y (exact fp32 round trip) unless k0 == 0.
+template <int T, int R>
+void panel_rows(const Problem& p, const float* panel, int64_t tile0, int64_t row0, int64_t k0, int64_t num_k) {
+  V acc[R][T];
+  for (int t = 0; t < T; ++t) {
+    const int64_t col0 = (tile0 + t) * kTileColumns;
+    for (int r = 0; r < R; ++r)
+      acc[r][t] = k0 == 0 ? zero() : load_columns(p.y + (row0 + r) * p.y_row_stride + col0, p.n - col0);
+  }
+  const float* x = p.x + row0 * p.x_row_stride + k0;
+  for (int64_t kk = 0; kk < num_k; ++kk) {
+    V w[T];
+    for (int t = 0; t < T; ++t) w[t] = load(panel + kk * T * kTileColumns + t * kTileColumns);
+    for (int r = 0; r < R; ++r) {
+      const V xv = broadcast(x[r * p.x_row_stride + kk]);
+      for (int t = 0; t < T; ++t) acc[r][t] = fmadd(xv, w[t], acc[r][t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t col0 = (tile0 + t) * kTileColumns;
+    for (int r = 0; r < R; ++r) store_columns(p.y + (row0 + r) * p.y_row_stride + col0, acc[r][t], p.n - col0);
+  }
+}
+
+using DirectFn = void(const Problem&, int64_t, int64_t);
+using PanelFn = void(const Problem&, const float*, int64_t, int64_t, int64_t, int64_t);
+
+template <Format F, int R>
+void run_direct(const Problem& p, int64_t tile_begin, int64_t tile_end) {
+  constexpr int kTiles = direct_tiles_for(R);
+  int64_t tile = tile_begin;
+  for (; tile + kTiles <= tile_end; tile += kTiles) direct_tiles<F, R, kTiles>(p, tile, 0);
+  for (; tile < tile_end; ++tile) direct_tiles<F, R, 1>(p, tile, 0);
+}
+
+template <Format F, int... Rs>
+constexpr std::array<DirectFn*, sizeof...(Rs)> direct_table(
+    std::integer_sequence<int, Rs...>) {
+  return {&run_direct<F, Rs + 1>...};
+}
+template <int T, int... Rs>
+constexpr std::array<PanelFn*, sizeof...(Rs)> panel_table(std::integer_sequence<int, Rs...>) {
+  return {&panel_rows<T, Rs + 1>...};
+}
+
+template <Format F>
+void run_panel(const Problem& p, int64_t tile_begin, int64_t tile_end) {
+  static constexpr auto kWide = panel_table<kPanelTiles>(std::make_integer_sequence<int, kPanelRows>{});
+  static constexpr auto kNarrow = panel_table<1>(std::make_integer_sequence<int, kPanelRows>{});
+  alignas(64) float panel[kChunkBlocks * kBlockSize * kPanelTiles * kTileColumns];
+  const int64_t num_blocks = p.k / kBlockSize;
+  for (int64_t tile0 = tile_begin; tile0 < tile_end; tile0 += kPanelTiles) {
+    const int tiles = static_cast<int>(std::min<int64_t>(kPanelTiles, tile_end - tile0));
+    const auto& kernels = tiles == kPanelTiles ? kWide : kNarrow;
+    for (int64_t block0 = 0; block0 < num_blocks; block0 += kChunkBlocks) {
+      const int64_t chunk = std::min<int64_t>(kChunkBlocks, num_blocks - block0);
+      dequantize_panel<F>(p, tile0, tiles, block0, chunk, panel);
+      for (int64_t row0 = 0; row0 < p.m; row0 += kPanelRows) {
+        const int64_t rows = std::min<int64_t>(kPanelRows, p.m - row0);
+        kernels[rows - 1](p, panel, tile0, row0, block0 * kBlockSize, chunk * kBlockSize);
+      }
+    }
+  }
+}
+
+template <Format F>
+void run_format(const Problem& p, int64_t tile_begin, int64_t tile_end) {
+  if (p.m <= kDirectRows) {
+    static constexpr auto kDirect = direct_table<F>(std::make_integer_sequence<int, kDirectRows>{});
+    kDirect[p.m - 1](p, tile_begin, tile_end);
+  } else {
+    run_panel<F>(p, tile_begin, tile_end);
+  }
+}
+
+}  // namespace
+
+int64_t block_bytes(Format format) {
+  return format == Format::kQ4_0 ? 18 : format == Format::kQ4_1 ? 20 : 34;
+}
+
+int64_t num_tiles(int64_t n) { return (n + kTileColumns - 1) / kTileColumns; }
+
+void run_tiles(const Problem& problem, int64_t tile_begin, int64_t tile_end) {
+  switch (problem.format) {
+    case Format::kQ4_0:
+      run_format<Format::kQ4_0>(problem, tile_begin, tile_end);
+      break;
+    case Format::kQ4_1:
+      run_format<Format::kQ4_1>(problem, tile_begin, tile_end);
+      break;
+    case Format::kQ8_0:
+      run_format<Format::kQ8_0>(problem, tile_begin, tile_end);
+      break;
+  }
+}
+
+void dequantize_tiles(const uint8_t* packed, Format format, int64_t n, int64_t k, float* out,
+                      int64_t tile_begin, int64_t tile_end) {
+  Problem p{nullptr, 0, packed, nullptr, 0, 0, n, k, format};
+  std::vector<float> panel(static_cast<size_t>(k * kTileColumns));
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    switch (format) {
+      case Format::kQ4_0:
+        dequantize_panel<Format::kQ4_0>(p, tile, 1, 0, k / kBlockSize, panel.data());
+        break;
+      case Format::kQ4_1:
+        dequantize_panel<Format::kQ4_1>(p, tile, 1, 0, k / kBlockSize, panel.data());
+        break;
+      case Format::kQ8_0:
+        dequantize_panel<Format::kQ8_0>(p, tile, 1, 0, k / kBlockSize, panel.data());
+        break;
+    }
+    const int64_t columns = std::min<int64_t>(kTileColumns, n - tile * kTileColumns);
+    for (int64_t c = 0; c < columns; ++c)
+      for (int64_t kk = 0; kk < k; ++kk) out[(tile * kTileColumns + c) * k + kk] = panel[kk * kTileColumns + c];
+  }
+}
+
+const char* isa_name() { return kIsa; }
+
+}  // namespace ifb_quant

@@ -1,0 +1,144 @@
+"""Compiles the block-quantized matmul library for this machine's CPU and loads it at run time.
+
+Compiling happens only here, at engine build time (`ifb build`); the runtime calls
+`load_quant_library` with the record stored in engine.json, which refuses a CPU lacking the
+features the library was compiled for instead of dying on an illegal instruction.
+
+The kernel TU includes no torch header and gets the ISA flags (about 2 s); the thin binding TU
+gets the torch headers and no ISA flag (about 7 s); both compile in parallel. Neither uses
+-march=native (the record names exactly what the .so needs) and both use -ffp-contract=off.
+
+Load order for AOTInductor: the compiled model library references the shim
+`aoti_torch_cpu_quant_matmul` as an undefined symbol, so the quant library must be loaded with
+RTLD_GLOBAL before the model library is dlopen'ed (`load_quant_library` does so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+_CSRC = Path(__file__).parent / "csrc"
+_REBUILD_HINT = "rebuild the engine on this machine with `ifb build`"
+
+
+class QuantIsa(str, Enum):
+    """The instruction-set path compiled into the library."""
+
+    AVX512 = "avx512"
+    AVX2 = "avx2"
+
+
+# /proc/cpuinfo flag names each path needs, and the g++ flags that enable exactly those.
+_ISA_FEATURES = {
+    QuantIsa.AVX512: ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
+    QuantIsa.AVX2: ("avx2", "fma", "f16c"),
+}
+_GCC_FLAG = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
+
+
+class QuantLibraryError(RuntimeError):
+    """The quant library cannot be built or loaded on this machine."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuantLibrary:
+    """A compiled quant library, as recorded in engine.json."""
+
+    path: Path
+    isa: QuantIsa
+    required_features: tuple[str, ...]
+    sha256: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": str(self.path),
+            "isa": self.isa.value,
+            "required_features": list(self.required_features),
+            "sha256": self.sha256,
+        }
+
+
+def cpu_features() -> frozenset[str]:
+    """The flags of the first processor in /proc/cpuinfo."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def best_isa(features: frozenset[str]) -> QuantIsa:
+    """The fastest path this CPU runs; refuses CPUs without the AVX2+FMA+F16C baseline."""
+    for isa in (QuantIsa.AVX512, QuantIsa.AVX2):
+        if set(_ISA_FEATURES[isa]) <= features:
+            return isa
+    missing = sorted(set(_ISA_FEATURES[QuantIsa.AVX2]) - features)
+    raise QuantLibraryError(f"block-quantized weights need a CPU with {', '.join(missing)}")
+
+
+def _isa_flags(isa: QuantIsa) -> list[str]:
+    return [_GCC_FLAG.get(feature, f"-m{feature}") for feature in _ISA_FEATURES[isa]]
+
+
+def _compile_commands(isa: QuantIsa, out: Path) -> tuple[list[list[str]], list[str]]:
+    common = ["g++", "-O3", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", "-c"]
+    kernel = [*common, "-std=c++17", *_isa_flags(isa), str(_CSRC / "quant_matmul.cpp"), "-o", str(out / "kernel.o")]
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    # -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in ATen's headers; without
+    # the flag it silently runs on one thread. Links libgomp.so.1, the SONAME torch already loaded.
+    binding = [*common, "-std=c++20", "-fopenmp", abi, *includes, str(_CSRC / "quant_binding.cpp")]
+    binding += ["-o", str(out / "binding.o")]
+    library_dir = cpp_extension.library_paths()[0]
+    link = ["g++", "-shared", "-fopenmp", "-Wl,-Bsymbolic", str(out / "kernel.o"), str(out / "binding.o")]
+    link += [f"-L{library_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{library_dir}", "-o"]
+    return [kernel, binding], link
+
+
+def _run(commands: list[list[str]]) -> None:
+    processes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    for command, process in zip(commands, processes, strict=True):
+        output, _ = process.communicate()
+        if process.returncode != 0:
+            raise QuantLibraryError(f"{' '.join(command[:8])} ... failed:\n{output}")
+
+
+def build_quant_library(out_dir: Path, isa: QuantIsa | None = None) -> QuantLibrary:
+    """Compiles libifb_quant_<isa>.so into `out_dir` for `isa` (default: the best this CPU runs)."""
+    chosen = isa if isa is not None else best_isa(cpu_features())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    objects = out_dir / f"obj-{chosen.value}"
+    objects.mkdir(exist_ok=True)
+    path = out_dir / f"libifb_quant_{chosen.value}.so"
+    compiles, link = _compile_commands(chosen, objects)
+    _run(compiles)
+    _run([[*link, str(path)]])
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return QuantLibrary(path, chosen, _ISA_FEATURES[chosen], digest)
+
+
+def load_quant_library(path: Path, required_features: tuple[str, ...] | list[str]) -> str:
+    """Loads a built library (RTLD_GLOBAL, then into torch.ops); returns its ISA name.
+
+    Raises QuantLibraryError with one line naming the missing CPU features, if any.
+    """
+    missing = sorted(set(required_features) - cpu_features())
+    if missing:
+        raise QuantLibraryError(
+            f"{path.name} needs CPU features this machine lacks: {', '.join(missing)}; {_REBUILD_HINT}"
+        )
+    import ifb.plugins.quant_ops  # noqa: F401  (defines the op schemas the library implements)
+
+    # RTLD_GLOBAL: AOTInductor model libraries resolve aoti_torch_cpu_quant_matmul from it.
+    handle = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+    torch.ops.load_library(str(path))
+    handle.ifb_quant_isa_name.restype = ctypes.c_char_p
+    return str(handle.ifb_quant_isa_name().decode())
