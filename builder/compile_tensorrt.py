@@ -74,6 +74,8 @@ def profile_shapes(limits: EngineLimits) -> dict[str, tuple[Shape, Shape, Shape]
 
 
 def _parse_onnx(trt: Any, builder: Any, trt_logger: Any, onnx_path: Path) -> tuple[Any, Any]:
+    # parse_from_file (not parse(bytes)): it knows the graph's folder, so it finds the weights'
+    # side file; the byte-buffer form would need that folder passed separately.
     # Precision = the ONNX types. TensorRT 11 networks are always strongly typed (no flag left).
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
@@ -109,6 +111,8 @@ def compile_tensorrt_engine(
     network: torch.nn.Module, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path
 ) -> CompiledStep:
     """Export ONNX (in a temp dir: only the plan ships) and build `folder/step.plan`."""
+    # The graph and its weights side file (`step.onnx.data`) are written side by side in the one
+    # scratch folder: parse_from_file resolves external data relative to the graph's folder.
     with tempfile.TemporaryDirectory(prefix="ifb-onnx-") as scratch:
         onnx_path = export_onnx(network, limits, kv_cache, Path(scratch) / "step.onnx")
         build_plan(onnx_path, limits, folder / PLAN_FILE, exact_fp32=kv_cache.dtype == torch.float32)

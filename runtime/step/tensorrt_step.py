@@ -94,10 +94,16 @@ class TensorRTStep:
         }
 
     def _bind(self, name: str, tensor: torch.Tensor) -> None:
-        self._context.set_input_shape(name, tuple(tensor.shape))
+        # False (not an exception) when the shape is outside the plan's profile: execute would fail
+        # later with a less specific message.
+        if not self._context.set_input_shape(name, tuple(tensor.shape)):
+            raise RuntimeError(f"TensorRT rejected {name} of shape {tuple(tensor.shape)}: outside the plan's profile")
         self._context.set_tensor_address(name, tensor.data_ptr() if tensor.numel() else self._empty.data_ptr())
 
     def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor:
+        # The pools are also written on the caller's stream (allocation, block copies): order the
+        # plan after that work. Our own stream is idle on return (`.cpu()` below waits for it).
+        self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             device_inputs = [
                 t.to(DEVICE, dtype=self._dtypes[name], non_blocking=True)

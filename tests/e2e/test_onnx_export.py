@@ -8,9 +8,10 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from onnx.external_data_helper import uses_external_data
 from step_cases import FP32_TOLERANCE, run_mixed_step
 
-from ifb.builder.export_onnx import export_onnx
+from ifb.builder.export_onnx import ONNX_OPSET, export_onnx, external_data_path
 from ifb.runtime.engine_format import STEP_INPUTS, dimension_bounds
 from ifb.runtime.step.backend import StepMode, load_network
 from ifb.runtime.step.engine import Engine
@@ -24,8 +25,14 @@ def onnx_path(tiny_llama_engine: Path, tmp_path_factory: pytest.TempPathFactory)
     return export_onnx(network, engine.config.limits, engine.kv_cache, tmp_path_factory.mktemp("onnx") / "step.onnx")
 
 
+def _graph(onnx_path: Path) -> onnx.ModelProto:
+    """The graph alone: the weights stay in the side file."""
+    return onnx.load(str(onnx_path), load_external_data=False)
+
+
 def test_onnxruntime_matches_the_torch_reference_on_mixed_steps(tiny_llama_engine: Path, onnx_path: Path) -> None:
-    """Warm-up then a step mixing two prefill chunks and two decodes over scattered blocks."""
+    """Warm-up then a step mixing two prefill chunks and two decodes over scattered blocks; the
+    graph's weights come from its side file (the path every model takes, past 2 GB included)."""
     reference = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
     via_onnx = Engine.load(tiny_llama_engine, StepMode.REFERENCE)
     via_onnx.backend = OnnxStep(onnx_path)  # same Engine, the ONNX graph as its step
@@ -35,8 +42,30 @@ def test_onnxruntime_matches_the_torch_reference_on_mixed_steps(tiny_llama_engin
     assert (via_onnx.kv_cache - reference.kv_cache).abs().max().item() < 1e-5
 
 
+def test_weights_live_in_a_side_file_next_to_the_graph(tiny_llama_engine: Path, onnx_path: Path) -> None:
+    """Every weight tensor is external, in `step.onnx.data`, named relative to the graph's folder
+    (how onnxruntime and TensorRT's parse_from_file find it); only tensors of at most 256 bytes
+    (scalars, shapes, the tiny model's norm weights) stay in the graph file."""
+    model = _graph(onnx_path)
+    data_file = external_data_path(onnx_path)
+    assert data_file == onnx_path.parent / "step.onnx.data" and data_file.is_file()
+    external = [t for t in model.graph.initializer if uses_external_data(t)]
+    inline = [t for t in model.graph.initializer if not uses_external_data(t)]
+    assert {e.value for t in external for e in t.external_data if e.key == "location"} == {data_file.name}
+    assert "network.embed.weight" in {t.name for t in external}
+    assert max(len(t.raw_data) for t in inline) <= 256
+    weights_file = Engine.load(tiny_llama_engine, StepMode.REFERENCE).config.weights_path
+    assert data_file.stat().st_size >= 0.9 * weights_file.stat().st_size  # all of them are there
+
+
+def test_the_opset_is_pinned_to_what_tensorrt_parses(onnx_path: Path) -> None:
+    """The default-domain opset is the pinned one (not torch's default, which moves with torch)."""
+    opsets = {entry.domain: entry.version for entry in _graph(onnx_path).opset_import}
+    assert opsets.get("", opsets.get("ai.onnx")) == ONNX_OPSET == 18
+
+
 def test_onnx_dimensions_are_dynamic_and_bounded_by_the_baked_limits(tiny_llama_engine: Path, onnx_path: Path) -> None:
-    model = onnx.load(str(onnx_path))
+    model = _graph(onnx_path)
     limits = Engine.load(tiny_llama_engine, StepMode.REFERENCE).config.limits
     bounds = {
         p.key.removeprefix("ifb.bounds."): tuple(json.loads(p.value))
@@ -71,7 +100,7 @@ def test_tensorrt_profile_covers_every_dynamic_input_with_the_graphs_own_dimensi
 
     limits = Engine.load(tiny_llama_engine, StepMode.REFERENCE).config.limits
     profile = profile_shapes(limits)
-    model = onnx.load(str(onnx_path))
+    model = _graph(onnx_path)
     graph_dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     dynamic_inputs = {name for name, dims in graph_dims.items() if any(isinstance(d, str) for d in dims)}
     assert set(profile) == dynamic_inputs
