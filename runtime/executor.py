@@ -26,13 +26,15 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth, GuidedUsage, KvUsage
 from ifb.runtime.engine_threads import run_on_engine_thread
 from ifb.runtime.guided import fill_bitmask
 from ifb.runtime.output_processor import OutputProcessor
-from ifb.runtime.outputs import RequestOutput, TokenLogprob
+from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason, Request
-from ifb.runtime.sampler import Sampler, SampleResult
+from ifb.runtime.sampler import RowSample, Sampler
 from ifb.runtime.sampling_state import SamplingRow, SamplingState
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler
 from ifb.runtime.step.engine import Engine
@@ -209,29 +211,27 @@ class Executor:
             if item.sample
         ]
         try:
-            result = self._run_engine(batch, requests, rows)
+            logits, bitmask = self._run_engine(batch, requests, rows)
         except Exception as error:
             logger.exception("engine step failed; failing its %d requests", len(requests))
             for request in requests:
-                self.scheduler.finish(request, FinishReason.ERROR, error=f"engine step failed: {error}")
-                self._deliver(request, self.outputs.final_output(request))
+                self._fail(request, f"engine step failed: {error}")
             return
+        samples = self._sample(logits, rows, bitmask) if rows else []
         self._take_inbox(block=False)  # aborts that arrived during the step, before the update
-        sampled, logprobs = self._tokens_of_live_rows(rows, result)
-        stops = self.outputs.process(
-            (row.request, sampled[row.request.request_id], row.state)
-            for row in rows
-            if row.request.request_id in sampled
-        )
+        live = [(row, sample) for row, sample in zip(rows, samples, strict=True) if not row.request.state.is_finished]
+        sampled = {row.request.request_id: sample.token_id for row, sample in live}
+        logprobs = {row.request.request_id: sample.logprob for row, sample in live}
+        stops = self.outputs.process((row.request, sample.token_id, row.state) for row, sample in live)
         for request in self.scheduler.update(batch, sampled, stops):
-            token = sampled[request.request_id]
-            self._deliver(request, self.outputs.token_output(request, token, logprobs.get(request.request_id)))
+            rid = request.request_id
+            self._deliver(request, self.outputs.token_output(request, sampled[rid], logprobs[rid]))
         self._tokens_since_summary += len(sampled)
         self._record(batch, start)
 
     def _run_engine(
         self, batch: ScheduledBatch, requests: list[Request], rows: list[SamplingRow]
-    ) -> SampleResult | None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._step_started = time.monotonic()
         try:
             slices = [
@@ -250,30 +250,30 @@ class Executor:
             # Masks are filled before the step, not beside it: the step releases the GIL, but it
             # uses both cores, so a mask thread would only take a core from it.
             bitmask = fill_bitmask(guided, len(rows), engine.config.spec.vocab_size) if guided else None
-            logits = engine.step(inputs)
-            return self.sampler.sample(logits, rows, bitmask) if rows else None
+            return engine.step(inputs), bitmask
         finally:
             self._step_started = None
 
-    @staticmethod
-    def _tokens_of_live_rows(
-        rows: list[SamplingRow], result: SampleResult | None
-    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """Sampled tokens (and logprobs) of the rows whose request is still running."""
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprob] = {}
-        if result is None:
-            return sampled, logprobs
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None) -> list[RowSample]:
+        """One token per row. If the batch cannot be sampled, each row is sampled alone, so a row
+        whose parameters fail takes only itself down: it ends with `error`, the others go on."""
+        try:
+            return self.sampler.sample(logits, rows, bitmask).rows()
+        except Exception:
+            logger.exception("sampling the batch failed; sampling its %d rows one by one", len(rows))
+        samples = []
         for index, row in enumerate(rows):
-            request = row.request
-            if request.state.is_finished:
-                continue  # aborted while the step ran
-            sampled[request.request_id] = result.token_ids[index]
-            if result.logprobs is not None and result.top_logprobs is not None:
-                logprobs[request.request_id] = TokenLogprob(
-                    result.token_ids[index], result.logprobs[index], result.top_logprobs[index]
-                )
-        return sampled, logprobs
+            mask = None if bitmask is None else bitmask[index : index + 1]
+            try:
+                samples += self.sampler.sample(logits[index : index + 1], [row], mask).rows()
+            except Exception as error:
+                self._fail(row.request, f"sampling failed: {type(error).__name__}: {error}")
+                samples.append(RowSample(-1, None))  # never read: the request has finished
+        return samples
+
+    def _fail(self, request: Request, error: str) -> None:
+        self.scheduler.finish(request, FinishReason.ERROR, error=error)
+        self._deliver(request, self.outputs.final_output(request))
 
     def _deliver(self, request: Request, output: RequestOutput) -> None:
         sink = self._sinks.get(request.request_id)

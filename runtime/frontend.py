@@ -52,10 +52,8 @@ class Frontend:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            try:
-                return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-            except UnicodeEncodeError:
-                raise AdmissionError("prompt is not valid Unicode (a lone surrogate?)", field="prompt") from None
+            _require_unicode(prompt, "prompt")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         vocab = self.engine.spec.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             raise AdmissionError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
@@ -64,12 +62,12 @@ class Frontend:
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if not self.chat_template:
             raise AdmissionError("this engine's tokenizer has no chat template", field="messages")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except UnicodeEncodeError:
-            raise AdmissionError("message content is not valid Unicode (a lone surrogate?)", field="messages") from None
+        for index, message in enumerate(messages):
+            if isinstance(message.get("content"), str):
+                _require_unicode(message["content"], f"messages.{index}.content")
+        ids = self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         return list(ids)
 
     def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
@@ -104,3 +102,11 @@ class Frontend:
                 stop = sorted(self.eos_token_ids)
                 self._grammars = GrammarCompiler(self.tokenizer, self.engine.spec.vocab_size, stop)
             return self._grammars
+
+
+def _require_unicode(text: str, field: str) -> None:
+    """JSON can carry lone surrogates (\\ud800) that no UTF-8 tokenizer can encode: a 400, not a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise AdmissionError(f"{field} is not valid Unicode at character {error.start}", field=field) from None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ifb.runtime.guided import apply_bitmask
+from ifb.runtime.outputs import TokenLogprob
 from ifb.runtime.request import Request
 from ifb.runtime.sampling_state import SamplingRow
 
@@ -20,10 +21,26 @@ _NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True, slots=True)
+class RowSample:
+    """One row's token, with its logprob entry when the request asked for logprobs."""
+
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True, slots=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # log-probability of each sampled token (raw model distribution)
     top_logprobs: list[dict[int, float]] | None
+
+    def rows(self) -> list[RowSample]:
+        if self.logprobs is None or self.top_logprobs is None:
+            return [RowSample(token, None) for token in self.token_ids]
+        return [
+            RowSample(token, TokenLogprob(token, logprob, top))
+            for token, logprob, top in zip(self.token_ids, self.logprobs, self.top_logprobs, strict=True)
+        ]
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> None:

@@ -9,6 +9,15 @@ from typing import Any
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
 
+# Documented bounds of every field (README "Request limits"): past them a request is a 400.
+MAX_TOP_K = 1 << 20  # and never above the vocabulary (check_vocab)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a torch.Generator seed is a signed 64-bit integer
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 16, 256
+MAX_STOP_TOKEN_IDS = 256  # the sampler masks these every step while min_tokens holds
+MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256
+
 
 def _check(condition: bool, name: str, allowed: str, value: Any) -> None:
     if not condition:
@@ -63,7 +72,8 @@ class SamplingParams:
         _check(m is None or (_is_int(m) and m >= 1), "max_tokens", "an integer >= 1", m)
         t = self.temperature
         _check(_is_number(t) and t >= 0, "temperature", "a finite number >= 0", t)
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (or -1 for off)", self.top_k)
+        k = self.top_k
+        _check(_is_int(k) and 0 <= k <= MAX_TOP_K, "top_k", f"an integer in [0, {MAX_TOP_K}] (or -1 for off)", k)
         p = self.top_p
         _check(_is_number(p) and 0 < p <= 1, "top_p", "in (0, 1]", p)
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
@@ -72,22 +82,50 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS} entries",
+            len(self.logit_bias),
+        )
         for token, bias in self.logit_bias.items():
             _check(_is_int(token) and token >= 0, "logit_bias", "keyed by token ids >= 0", token)
             _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias", "values in [-100, 100]", bias)
-        _check(self.seed is None or _is_int(self.seed), "seed", "an integer", self.seed)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
-        _check(len(self.stop) <= 16, "stop", "at most 16 strings", len(self.stop))
+        seed = self.seed
+        _check(
+            seed is None or (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX), "seed", "a signed 64-bit integer", seed
+        )
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings", len(self.stop))
+        _check(
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
+            self.stop,
+        )
         ids = self.stop_token_ids
+        _check(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(ids))
         _check(all(_is_int(i) and i >= 0 for i in ids), "stop_token_ids", "token ids >= 0", ids)
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
         if m is not None:
             _check(self.min_tokens <= m, "min_tokens", f"<= max_tokens ({m})", self.min_tokens)
         lp = self.logprobs
-        _check(lp is None or (_is_int(lp) and 0 <= lp <= 20), "logprobs", "an integer in [0, 20]", lp)
+        _check(
+            lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
+            "logprobs",
+            f"an integer in [0, {MAX_LOGPROBS}]",
+            lp,
+        )
+        salt = self.cache_salt
+        _check(
+            salt is None or (isinstance(salt, str) and len(salt) <= MAX_CACHE_SALT_CHARS),
+            "cache_salt",
+            f"a string of at most {MAX_CACHE_SALT_CHARS} characters",
+            salt,
+        )
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids must exist in the model's vocabulary."""
+        """Token ids must exist in the model's vocabulary, and top_k cannot exceed it."""
+        _check(self.top_k <= vocab_size, "top_k", f"<= the vocabulary size {vocab_size}", self.top_k)
         for token in list(self.logit_bias) + list(self.stop_token_ids):
             _check(
                 token < vocab_size,

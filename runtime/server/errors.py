@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -13,6 +15,9 @@ _ERROR_TYPES = {
     429: "rate_limit_exceeded",
     503: "service_unavailable",
 }
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|[a-z-]+\[.*\])$")
 
 
 class ModelNotFound(Exception):
@@ -30,7 +35,12 @@ def error_response(
 def validation_field(error: RequestValidationError) -> tuple[str, str]:
     """(field, message) of the first validation error, in OpenAI's words where it has them."""
     first = error.errors()[0]
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    location: list[str] = []
+    for part in first.get("loc", ()):
+        if _UNION_TAG.match(str(part)):  # pydantic names the union member it tried: not a field
+            break
+        if part != "body":
+            location.append(str(part))
     field = ".".join(location) or "body"
     if first.get("type") == "json_invalid":
         return "body", "request body is not valid JSON"

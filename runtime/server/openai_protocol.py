@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
-from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.sampling_params import MAX_LOGPROBS, SEED_MAX, SamplingParams
 
 
 class ResponseFormat(BaseModel):
@@ -91,6 +91,10 @@ class _Common(BaseModel):
         for key, value in (self.logit_bias or {}).items():
             bias[_token_key(key)] = value
         seed = None if self.seed is None else self.seed + index  # n > 1: distinct, reproducible
+        if seed is not None and seed > SEED_MAX:
+            raise AdmissionError(
+                f"seed + n - 1 must stay <= {SEED_MAX} (each choice samples with seed + its index)", field="seed"
+            )
         return SamplingParams(
             max_tokens=self.max_tokens,
             temperature=self.temperature,
@@ -120,7 +124,8 @@ def _token_key(key: str) -> int:
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Strict: `[true, false]` is not a list of token ids.
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
@@ -130,12 +135,44 @@ class CompletionRequest(_Common):
     def logprobs_count(self) -> int | None:
         return self.logprobs
 
+    def refuse_unsupported(self) -> None:
+        """Fields OpenAI defines that ifb does not implement are refused, never ignored."""
+        if self.echo:
+            raise AdmissionError("echo is not supported by this server", field="echo")
+        if self.suffix:
+            raise AdmissionError("suffix (insertion) is not supported by this server", field="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise AdmissionError(
+                f"best_of must equal n ({self.n}): ranking candidates is not supported", field="best_of"
+            )
+
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    def text(self, index: int) -> str:
+        """The message's text; a part that is not text (an image, audio) is refused, not dropped."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        pieces = []
+        for j, part in enumerate(self.content):
+            field = f"messages.{index}.content.{j}"
+            if part.get("type") != "text":
+                raise AdmissionError(
+                    f"{field}: content parts of type {part.get('type')!r} are not supported", field=field
+                )
+            if not isinstance(part.get("text"), str):
+                raise AdmissionError(f"{field}.text must be a string", field=f"{field}.text")
+            pieces.append(part["text"])
+        return "".join(pieces)
 
 
 class ChatCompletionRequest(_Common):
@@ -145,7 +182,20 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
 
     def logprobs_count(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise AdmissionError(
+                f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}", field="top_logprobs"
+            )
+        return (top or 0) if self.logprobs else None
+
+    def refuse_unsupported(self) -> None:
+        for index, message in enumerate(self.messages):
+            message.text(index)
+
+    @property
+    def num_prompts(self) -> int:
+        return 1
 
     def sampling_params(self, index: int = 0) -> SamplingParams:
         if self.max_completion_tokens is not None and self.max_tokens is None:
@@ -153,10 +203,4 @@ class ChatCompletionRequest(_Common):
         return super().sampling_params(index)
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):  # text parts only
-                content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-            out.append({"role": m.role, "content": content or ""})
-        return out
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ifb.runtime.outputs import RequestOutput
+from ifb.runtime.request import FinishReason
 from ifb.runtime.sampling_params import SamplingParams
 
 
@@ -45,6 +46,11 @@ class ResponseShape:
 
     def role_chunk(self, index: int) -> str:
         return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+
+    def error_event(self, output: RequestOutput) -> str:
+        """A request that failed mid-stream: its client gets this event, not a silent stop."""
+        error = {"message": output.error or "request failed", "type": "server_error", "code": "request_failed"}
+        return f"data: {json.dumps({'error': error})}\n\n"
 
     def delta_chunk(self, choice: Choice, output: RequestOutput) -> str:
         reason = output.finish_reason.value if output.finished and output.finish_reason else None
@@ -103,3 +109,11 @@ def usage(choices: list[Choice], results: list[list[RequestOutput]]) -> dict[str
     prompt_tokens = sum(len(c.prompt_token_ids) for c in choices)
     completion = sum(r[-1].num_output_tokens for r in results if r)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def first_error(results: list[list[RequestOutput]]) -> str | None:
+    """The error of the first choice that failed (finish reason `error`), if any."""
+    for outputs in results:
+        if outputs and outputs[-1].finish_reason is FinishReason.ERROR:
+            return outputs[-1].error or "request failed"
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeAlias
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -14,14 +14,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.llm import LLM
-from ifb.runtime.server.errors import ModelNotFound
+from ifb.runtime.server.errors import ModelNotFound, error_response
 from ifb.runtime.server.health import health_body
 from ifb.runtime.server.metrics import Metrics
 from ifb.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from ifb.runtime.server.responses import Choice, ResponseShape
+from ifb.runtime.server.responses import Choice, ResponseShape, first_error
 from ifb.runtime.server.streams import close, collect_all, first_delta, sse_events, with_queue_timeout
 
-OpenAIRequest = CompletionRequest | ChatCompletionRequest
+OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 
 
 class Routes:
@@ -50,13 +50,26 @@ class Routes:
         self.check_model(model_id)
         return self._card(model_id)
 
-    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+    def check_request(self, body: OpenAIRequest) -> None:
+        """Refusals that need no tokenizing: the model, unsupported fields, and more choices
+        (prompts x n) than the whole engine can ever hold (a 400: retrying cannot help)."""
         self.check_model(body.model)
+        body.refuse_unsupported()
+        choices, capacity = body.num_prompts * body.n, self.llm.client.gate.capacity
+        if choices > capacity:
+            raise AdmissionError(
+                f"{body.num_prompts} prompt(s) x n={body.n} = {choices} requests exceed this server's capacity of "
+                f"{capacity} (max_batch_size + max_queued_requests)",
+                field="n" if body.num_prompts == 1 else "prompt",
+            )
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self.check_request(body)
         prompts = await self.llm.off_loop(_completion_prompts, self.llm, body.prompt)
         return await self.respond(raw, body, prompts, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(body.model)
+        self.check_request(body)
         prompt = await self.llm.off_loop(self.llm.apply_chat_template, body.chat_messages())
         return await self.respond(raw, body, [prompt], chat=True)
 
@@ -79,7 +92,11 @@ class Routes:
             if not done and await raw.is_disconnected():
                 task.cancel()
                 return Response(status_code=499)
-        return JSONResponse(shape.final_body(choices, task.result()))
+        results = task.result()
+        error = first_error(results)
+        if error is not None:  # a choice failed inside the engine: not a 200
+            return error_response(500, error, code="request_failed")
+        return JSONResponse(shape.final_body(choices, results))
 
     async def _stream(
         self, shape: ResponseShape, choices: list[Choice], streams: list[Any], body: OpenAIRequest

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from ifb.runtime.errors import QueueFullError
 from ifb.runtime.outputs import RequestOutput
+from ifb.runtime.request import FinishReason
 from ifb.runtime.server.responses import Choice, ResponseShape, usage
 
 Stream = AsyncIterator[RequestOutput]
@@ -71,6 +72,8 @@ async def sse_events(
         async for i, output in merged:
             collected[i].append(output)
             yield shape.delta_chunk(choices[i], output)
+            if output.finish_reason is FinishReason.ERROR:
+                yield shape.error_event(output)
         if include_usage:
             yield shape.chunk([], usage=usage(choices, collected))
         yield "data: [DONE]\n\n"
