@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import logging
-import sys
-
 import click
 
+from ifb import __version__
 from ifb.cli.bench_command import bench
 from ifb.cli.build_command import build
+from ifb.cli.logging_setup import configure_logging
 from ifb.cli.run_command import run
 
 
 @click.group()
+@click.version_option(__version__, "--version", prog_name="ifb")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def cli(verbose: bool) -> None:
     """ifb: compile a model into an engine with its limits baked in, then serve it."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging("debug" if verbose else "info")  # `ifb run --log-level/--log-format` may replace it
 
 
 cli.add_command(build)
