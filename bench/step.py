@@ -1,15 +1,19 @@
-"""Step-time benchmark: the compiled engine vs HF transformers eager, same weights, same run.
+"""Step-time benchmark: compiled engines vs HF transformers eager, same weights, same run.
 
-    .venv/bin/python bench/step.py [--engine ENGINE_DIR] [--repeats 7] [--no-hf]
+    .venv/bin/python bench/step.py [--engine ENGINE_DIR ...] [--repeats 7] [--no-hf]
+    .venv/bin/python bench/step.py --quant-vs-fp32 --no-hf      # SmolLM2: GGUF blocks vs fp32
 
 Prints ms per step for decode at batch 1/8/32 (256 tokens of context each) and one 512-token
-prefill, the machine's read bandwidth and the weight-read lower bound for a decode step.
+prefill, and for each engine step its weight-read floor: the bytes of weights that step reads
+(every linear layer, packed blocks or floats, the norms, and the embedding rows it gathers)
+at `--bandwidth-gbs`, with the fraction of that floor the step reaches.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -18,10 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from ifb.builder.build import BuildOptions
 from ifb.builder.sources import load_model, resolve_source
 from ifb.find_or_build import find_or_build_engine
+from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
@@ -29,6 +35,26 @@ from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 CONTEXT = 256
 BATCHES = (1, 8, 32)
 PREFILL = 512
+STEP_TOKENS = {**{f"decode_b{b}": b for b in BATCHES}, "prefill_512": PREFILL}
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1}
+DEFAULT_BANDWIDTH_GBS = 36.0  # this machine's measured single-socket read bandwidth (perf-notes.md)
+
+
+def weight_read_bytes(config: EngineConfig, num_tokens: int) -> int:
+    """Bytes of weights one step of `num_tokens` reads: all but the embedding table, of which it
+    gathers `num_tokens` rows (the whole table when it is also the fp32 LM head)."""
+    total = 0
+    with safe_open(str(config.weights_path), framework="pt") as weights:
+        for name in weights.keys():
+            tensor = weights.get_slice(name)
+            rows, *rest = tensor.get_shape()
+            row_bytes = _DTYPE_BYTES[tensor.get_dtype()] * math.prod(rest)
+            head_is_embedding = config.spec.tie_word_embeddings and "lm_head" not in config.weight_formats
+            if name == "embed.weight" and not head_is_embedding:
+                total += min(rows, num_tokens) * row_bytes
+            elif name != "rope.inv_freq":
+                total += rows * row_bytes
+    return total
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -85,33 +111,69 @@ def hf_times(model: torch.nn.Module, repeats: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", default=None, help="engine folder (default: build/reuse the SmolLM2 engine)")
+    parser.add_argument(
+        "--engine", action="append", default=None, help="engine folder, repeatable (default: build/reuse SmolLM2's)"
+    )
+    parser.add_argument(
+        "--quant-vs-fp32",
+        action="store_true",
+        help="build/reuse the default SmolLM2 engine twice: --weights auto (its GGUF blocks) and --weights fp32",
+    )
+    parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_BANDWIDTH_GBS, help="for the weight-read floor")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--output", type=Path, default=Path("bench/out/step.json"))
     parser.add_argument("--no-hf", action="store_true", help="engine only (e.g. a TensorRT engine in gpu-check)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
-    folder = args.engine or find_or_build_engine(None, BuildOptions(max_batch_size=32, max_num_tokens=512))
-    engine = Engine.load(folder, StepMode.COMPILED)
-    weight_bytes = sum(p.stat().st_size for p in [engine.config.weights])
     bandwidth = read_bandwidth_gbs()
-    label = f"ifb {engine.config.backend} ({engine.config.dtype})"
-    results: dict[str, dict[str, float]] = {label: engine_times(engine, args.repeats)}
-    del engine
-
+    results: dict[str, dict[str, float]] = {}
+    floors: dict[str, dict[str, float]] = {}
+    for folder in engine_folders(args):
+        engine = Engine.load(folder, StepMode.COMPILED)
+        label = engine_label(engine.config)
+        results[label] = engine_times(engine, args.repeats)
+        floors[label] = {
+            step: weight_read_bytes(engine.config, tokens) / (args.bandwidth_gbs * 1e9) * 1000
+            for step, tokens in STEP_TOKENS.items()
+        }
+        del engine
     if not args.no_hf:
         results.update(hf_results(args.repeats))
-    print_table(results, bandwidth, weight_bytes)
+    print_table(results, bandwidth, floors, args.bandwidth_gbs)
     ratios = speedups(results) if not args.no_hf else {}
     for name, ratio in ratios.items():
         print(f"speedup {name}: {ratio:.2f}x")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(
         json.dumps(
-            {"bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes, "ms": results, "speedups": ratios}, indent=2
+            {
+                "measured_bandwidth_gbs": bandwidth,
+                "floor_bandwidth_gbs": args.bandwidth_gbs,
+                "ms": results,
+                "weight_read_floor_ms": floors,
+                "speedups": ratios,
+            },
+            indent=2,
         )
     )
+
+
+def engine_folders(args: argparse.Namespace) -> list[Path]:
+    if args.engine:
+        return [Path(folder) for folder in args.engine]
+    limits = {"max_batch_size": 32, "max_num_tokens": 512}
+    if args.quant_vs_fp32:
+        return [
+            find_or_build_engine(None, BuildOptions(weights="auto", **limits)),
+            find_or_build_engine(None, BuildOptions(weights="fp32", dtype="float32", **limits)),
+        ]
+    return [find_or_build_engine(None, BuildOptions(**limits))]
+
+
+def engine_label(config: EngineConfig) -> str:
+    formats = sorted(set(config.weight_formats.values())) or ["dense"]
+    return f"ifb {config.backend.value} {'+'.join(formats)} ({config.dtype})"
 
 
 def hf_results(repeats: int) -> dict[str, dict[str, float]]:
@@ -128,17 +190,22 @@ def hf_results(repeats: int) -> dict[str, dict[str, float]]:
     return results
 
 
-def print_table(results: dict[str, dict[str, float]], bandwidth: float, weight_bytes: int) -> None:
+def print_table(
+    results: dict[str, dict[str, float]], bandwidth: float, floors: dict[str, dict[str, float]], floor_gbs: float
+) -> None:
     columns = [f"decode_b{b}" for b in BATCHES] + ["prefill_512"]
     print(
         f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    print(
-        f"read bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> decode lower bound {weight_bytes / bandwidth / 1e6:.1f} ms"
-    )
+    print(f"measured read bandwidth {bandwidth:.1f} GB/s; weight-read floors at {floor_gbs:.0f} GB/s")
     print(f"{'ms per step':40s}" + "".join(f"{c:>14s}" for c in columns))
     for name, row in results.items():
         print(f"{name:40s}" + "".join(f"{row[c]:14.1f}" for c in columns))
+        if name in floors:
+            print(f"{'  weight-read floor ms':40s}" + "".join(f"{floors[name][c]:14.1f}" for c in columns))
+            print(
+                f"{'  fraction of floor reached':40s}" + "".join(f"{floors[name][c] / row[c]:14.2f}" for c in columns)
+            )
 
 
 def speedups(results: dict[str, dict[str, float]]) -> dict[str, float]:

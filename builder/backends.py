@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from ifb.builder.compile_cpu import compile_cpu_engine
+from ifb.builder.compile_cpu import build_engine_kernels, compile_cpu_engine
 from ifb.builder.compile_tensorrt import compile_tensorrt_engine, tensorrt_dtype
 from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.limits import normalize_dtype
@@ -33,8 +33,9 @@ class CpuCompiler:
         return normalize_dtype(dtype)
 
     def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
+        kernels = build_engine_kernels(folder) if network.weight_formats else None
         compile_cpu_engine(network, limits, kv_cache, folder / STEP_PACKAGE)
-        return CompiledStep(step_package=STEP_PACKAGE)
+        return CompiledStep(step_package=STEP_PACKAGE, kernels=kernels)
 
 
 class TensorRTCompiler:

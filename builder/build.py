@@ -20,6 +20,15 @@ from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
 from ifb.builder.hf_config import model_spec_from_hf_config
 from ifb.builder.limits import resolve_limits
+from ifb.builder.quant_weights import (
+    WEIGHT_CHOICES,
+    PackedWeights,
+    apply_packed_weights,
+    check_weights_option,
+    pack_weights,
+    packed_dtype,
+    source_packs_weights,
+)
 from ifb.builder.sources import LoadedModel, ModelSource, load_model, resolve_source, source_sha256
 from ifb.runtime.engine_format import (
     BuildOptionsRecord,
@@ -36,7 +45,7 @@ BUILDER_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUILD_STAGES = ("load", "convert", "compile", "write")
-WEIGHT_CHOICES = ("auto", "fp32")  # auto: the source's precision (today: fp32 for every source)
+__all__ = ["WEIGHT_CHOICES", "BuildOptions", "BuildSummary", "build_dtype", "build_engine"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +81,17 @@ def rope_tables(hf_config: Any) -> tuple[torch.Tensor, float]:
     return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)
 
 
-def _convert(loaded: LoadedModel, limits: EngineLimits, dtype: str) -> tuple[StepNetwork, torch.Tensor, float]:
+def _convert(
+    loaded: LoadedModel, limits: EngineLimits, dtype: str, options: BuildOptions
+) -> tuple[StepNetwork, torch.Tensor, float]:
     spec = model_spec_from_hf_config(loaded.hf_config)
     inv_freq, rope_scaling = rope_tables(loaded.hf_config)
-    network = StepNetwork(spec, inv_freq, rope_scaling, limits.max_seq_len, limits.block_size)
     state = hf_to_network_state_dict(loaded.state_dict, spec)
+    packed: PackedWeights = pack_weights(loaded.source, spec, state, options.weights, options.backend)
+    network = StepNetwork(
+        spec, inv_freq, rope_scaling, limits.max_seq_len, limits.block_size, weight_formats=packed.formats
+    )
+    state = apply_packed_weights(state, packed, spec)
     missing, unexpected = network.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise BuildError(f"weights do not match the network: missing {missing}, unexpected {unexpected}")
@@ -86,14 +101,20 @@ def _convert(loaded: LoadedModel, limits: EngineLimits, dtype: str) -> tuple[Ste
 def save_weights(network: StepNetwork, inv_freq: torch.Tensor, path: Path) -> None:
     state = {k: v.contiguous() for k, v in network.state_dict().items()}
     if network.spec.tie_word_embeddings:
-        del state["lm_head.weight"]
+        state.pop("lm_head.weight", None)  # the same tensor as embed.weight (absent if the head is packed)
     state["rope.inv_freq"] = inv_freq
     save_file(state, str(path))
 
 
-def build_dtype(options: BuildOptions) -> str:
-    """The dtype `options` builds with on this machine (resolving `auto` per backend)."""
-    return compiler_for(options.backend).resolve_dtype(options.dtype)
+def build_dtype(options: BuildOptions, source: ModelSource | None = None) -> str:
+    """The dtype `options` builds with on this machine (resolving `auto` per backend, and to
+    float32 where `source` will have block-quantized weights: they compute with fp32 activations)."""
+    check_weights_option(options.weights, options.backend)
+    dtype = compiler_for(options.backend).resolve_dtype(options.dtype)
+    packs = options.weights != "fp32" and options.weights != "auto"
+    if source is not None:
+        packs = source_packs_weights(source, options.weights, options.backend)
+    return packed_dtype(options.dtype, dtype, options.weights) if packs else dtype
 
 
 def build_engine(
@@ -104,7 +125,7 @@ def build_engine(
 ) -> BuildSummary:
     """Build an engine folder at `output` (atomically); see design.md §3."""
     compiler = compiler_for(options.backend)
-    dtype = compiler.resolve_dtype(options.dtype)  # first: refuses an unusable backend before any work
+    build_dtype(options)  # first: refuses an unusable backend or option pair before any work
     started = time.perf_counter()
     stages: dict[str, float] = {}
 
@@ -115,6 +136,7 @@ def build_engine(
     on_stage("load")
     t = time.perf_counter()
     model_source = resolve_source(source)
+    dtype = build_dtype(options, model_source)
     loaded = load_model(model_source)
     spec = model_spec_from_hf_config(loaded.hf_config)
     limits = resolve_limits(
@@ -129,7 +151,7 @@ def build_engine(
     )
     t = stage("load", t)
     on_stage("convert")
-    network, inv_freq, rope_scaling = _convert(loaded, limits, dtype)
+    network, inv_freq, rope_scaling = _convert(loaded, limits, dtype, options)
     t = stage("convert", t)
     with atomic_engine_folder(output) as folder:
         on_stage("compile")
@@ -159,6 +181,7 @@ def build_engine(
             build_info=_build_info(started, stages),
             tensorrt=compiled.tensorrt,
             kernels=compiled.kernels,
+            weight_formats=network.weight_formats,
         )
         write_engine_json(folder, config)
         artifact_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

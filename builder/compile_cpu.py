@@ -8,12 +8,17 @@ without recompiling.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 from ifb.builder.step_export import dynamic_shapes, sample_args
-from ifb.runtime.engine_format import EngineLimits
+from ifb.plugins import quant_ops
+from ifb.plugins.quant_build import build_quant_library
+from ifb.runtime.engine_format import EngineLimits, KernelLibraryInfo
+from ifb.runtime.step.kernels import ensure_quant_library
 from ifb.runtime.step.network import StepNetwork
 
 logger = logging.getLogger(__name__)
@@ -22,11 +27,26 @@ logger = logging.getLogger(__name__)
 # max_autotune with Inductor's C++ GEMM templates was measured too: on the full SmolLM2 step it
 # picked kernels no faster than the packed MKL ones (decode b1/b8/b32: 23/47/147 ms vs
 # 26/44/133 ms) and added a minute of compile, so it stays off.
-INDUCTOR_CONFIGS = {"freezing": True}
+INDUCTOR_CONFIGS: dict[str, object] = {"freezing": True}
+KERNELS_DIR = "kernels"
+
+
+def build_engine_kernels(folder: Path) -> KernelLibraryInfo:
+    """Compile the block-quantized matmul library into `folder`/kernels and load it here (it must be
+    loaded before export, and the compiled model library links its C shim)."""
+    with tempfile.TemporaryDirectory(prefix="ifb-quant-") as scratch:
+        library = build_quant_library(Path(scratch))  # object files stay out of the engine folder
+        (folder / KERNELS_DIR).mkdir()
+        target = folder / KERNELS_DIR / library.path.name
+        shutil.copyfile(library.path, target)
+    ensure_quant_library(target, library.isa.value, library.required_features)
+    logger.info("built %s (%s)", target.name, library.isa.value)
+    return KernelLibraryInfo(f"{KERNELS_DIR}/{target.name}", library.isa.value, library.required_features)
 
 
 def compile_cpu_engine(network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, package_path: Path) -> Path:
-    """Export and AOT-compile `network` into a .pt2 package at `package_path`."""
+    """Export and AOT-compile `network` into a .pt2 package at `package_path` (any packed weight's
+    op must be loaded already: see `build_engine_kernels`)."""
     network.eval()
     sample = sample_args(limits, kv_cache)
     with torch.no_grad():
@@ -35,6 +55,6 @@ def compile_cpu_engine(network: StepNetwork, limits: EngineLimits, kv_cache: tor
         path = torch._inductor.aoti_compile_and_package(
             exported,
             package_path=str(package_path),
-            inductor_configs=INDUCTOR_CONFIGS,
+            inductor_configs={**INDUCTOR_CONFIGS, **(quant_ops.aoti_configs() if network.weight_formats else {})},
         )
     return Path(path)

@@ -67,7 +67,9 @@ def run_build(source: str | None, output: Path, options: BuildOptions) -> BuildS
     type=click.Choice(WEIGHT_CHOICES),
     default="auto",
     show_default=True,
-    help="How weights are stored: auto keeps the source's precision; fp32 dequantizes everything.",
+    help="How linear weights are stored: auto keeps the source's precision (a GGUF's Q4_0/Q4_1/Q8_0 blocks, "
+    "an HF checkpoint's floats); fp32 dequantizes everything; q8_0/q4_1/q4_0 quantize every linear layer "
+    "(round-to-nearest per 32-weight block). Block formats compute with fp32 activations (cpu backend only).",
 )
 @click.option("--backend", type=click.Choice([b.value for b in Backend]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Engine folder.")
@@ -97,7 +99,7 @@ def build(
         backend=Backend(backend),
     )
     try:
-        output = output or DEFAULT_ENGINES_DIR / engine_name(resolve_source(source).name, options)
+        output = output or DEFAULT_ENGINES_DIR / engine_name(resolve_source(source), options)
         summary = run_build(source, output, options)
     except BuildError as error:
         raise click.ClickException(str(error)) from None

@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from ifb.builder.build import BuildOptions, BuildSummary, build_dtype, build_engine
-from ifb.builder.sources import resolve_source, source_sha256
+from ifb.builder.sources import ModelSource, resolve_source, source_sha256
 from ifb.runtime.engine_format import ENGINE_JSON, BackendKind
 
 logger = logging.getLogger(__name__)
@@ -25,10 +25,11 @@ DEFAULT_ENGINES_DIR = Path("engines")
 BUILT_REGISTRY = ".ifb-built.json"
 
 
-def engine_name(source_name: str, options: BuildOptions) -> str:
+def engine_name(source: ModelSource, options: BuildOptions) -> str:
     return (
-        f"{source_name.lower()}-b{options.max_batch_size}-t{options.max_num_tokens}"
-        f"-s{options.max_seq_len}-{build_dtype(options)}"
+        f"{source.name.lower()}-b{options.max_batch_size}-t{options.max_num_tokens}"
+        f"-s{options.max_seq_len}-{build_dtype(options, source)}"
+        + ("" if options.weights == "auto" else f"-{options.weights}")
         + ("" if options.backend is BackendKind.CPU else f"-{options.backend.value}")
     )
 
@@ -46,12 +47,13 @@ def _remember(engines_dir: Path, build_id: str) -> None:
     (engines_dir / BUILT_REGISTRY).write_text(json.dumps(sorted(ids)) + "\n")
 
 
-def _matches(record: dict, sha256: str, options: BuildOptions, built: set[str]) -> bool:
+def _matches(record: dict, source: ModelSource, sha256: str, options: BuildOptions, built: set[str]) -> bool:
     limits = record.get("limits", {})
     return (
         record.get("build_id") in built
         and record.get("source", {}).get("sha256") == sha256
-        and record.get("dtype") == build_dtype(options)
+        and record.get("dtype") == build_dtype(options, source)
+        and record.get("build_options", {}).get("weights", "auto") == options.weights
         and record.get("backend") == options.backend.value
         and limits.get("max_batch_size", 0) >= options.max_batch_size
         and limits.get("max_num_tokens", 0) >= options.max_num_tokens
@@ -78,10 +80,10 @@ def find_or_build_engine(
     built = _built_ids(engines_dir)
     if engines_dir.is_dir():
         for candidate in sorted(p for p in engines_dir.iterdir() if p.is_dir()):
-            if _matches(_read_record(candidate), sha256, options, built):
+            if _matches(_read_record(candidate), source, sha256, options, built):
                 logger.info("using engine %s", candidate)
                 return candidate
-    output = engines_dir / engine_name(source.name, options)
+    output = engines_dir / engine_name(source, options)
     logger.info("no engine under %s matches %s; building %s", engines_dir, source.name, output)
     build_in_child_process(target, output, options)
     _remember(engines_dir, _read_record(output)["build_id"])

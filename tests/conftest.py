@@ -31,6 +31,13 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) ->
     return write_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.gguf", tiny_llama_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_q4_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    """The tiny Llama as llama.cpp would quantize it: Q4_1 linear layers, a Q8_0 embedding."""
+    path = tmp_path_factory.mktemp("tiny-q4-gguf") / "tiny-llama-q4_1.gguf"
+    return write_gguf(path, tiny_llama_dir, linear_type="Q4_1", embed_type="Q8_0")
+
+
 def _build(tmp_path_factory: pytest.TempPathFactory, source: Path, name: str, dtype: str) -> Path:
     output = tmp_path_factory.mktemp("engines") / name
     build_engine(source, output, BuildOptions(dtype=dtype, **TINY_LIMITS))
@@ -50,3 +57,17 @@ def tiny_qwen2_engine(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: 
 @pytest.fixture(scope="session")
 def tiny_gguf_engine(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Path:
     return _build(tmp_path_factory, tiny_gguf, "tiny-gguf-fp32", "fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_gguf_engine(tmp_path_factory: pytest.TempPathFactory, tiny_q4_gguf: Path) -> Path:
+    """`--weights auto` on a Q4_1/Q8_0 GGUF: every linear keeps its Q4_1 blocks."""
+    return _build(tmp_path_factory, tiny_q4_gguf, "tiny-gguf-q4_1", "auto")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_q8_engine(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Path:
+    """HF Qwen2 (tied embeddings, qkv bias) quantized at build time with `--weights q8_0`."""
+    output = tmp_path_factory.mktemp("engines") / "tiny-qwen2-q8_0"
+    build_engine(tiny_qwen2_dir, output, BuildOptions(dtype="auto", weights="q8_0", **TINY_LIMITS))
+    return output

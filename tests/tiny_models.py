@@ -91,8 +91,10 @@ def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(path: Path, hf_folder: Path) -> Path:
-    """Write the HF checkpoint at `hf_folder` (Llama) as an F32 GGUF with its tokenizer."""
+def write_gguf(path: Path, hf_folder: Path, linear_type: str | None = None, embed_type: str | None = None) -> Path:
+    """Write the HF checkpoint at `hf_folder` (Llama) as a GGUF with its tokenizer: F32, or with
+    the linear layers (and LM head) quantized by gguf-py to `linear_type` (e.g. "Q4_1") and the
+    token embedding to `embed_type` (e.g. "Q8_0"), as llama.cpp's converter would write them."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -143,10 +145,18 @@ def write_gguf(path: Path, hf_folder: Path) -> Path:
         "input_layernorm.weight": "attn_norm.weight",
         "post_attention_layernorm.weight": "ffn_norm.weight",
     }
+
+    def add(gguf_name: str, array: np.ndarray, kind: str | None) -> None:
+        if kind is None or array.ndim != 2:
+            writer.add_tensor(gguf_name, array)
+            return
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
     for name, tensor in state.items():
         array = tensor.float().numpy()
         if name in names:
-            writer.add_tensor(names[name], array)
+            add(names[name], array, embed_type if name == "model.embed_tokens.weight" else linear_type)
             continue
         layer = int(name.split(".")[2])
         suffix = name.split(".", 3)[3]
@@ -154,7 +164,7 @@ def write_gguf(path: Path, hf_folder: Path) -> Path:
             array = _llama_cpp_permute(array, config.num_attention_heads)
         elif suffix == "self_attn.k_proj.weight":
             array = _llama_cpp_permute(array, config.num_key_value_heads)
-        writer.add_tensor(f"blk.{layer}.{per_layer[suffix]}", array)
+        add(f"blk.{layer}.{per_layer[suffix]}", array, linear_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -20,6 +20,9 @@ from ifb.runtime.engine_format.model_spec import ModelSpec
 from ifb.runtime.errors import EngineFormatError
 
 ENGINE_FORMAT_VERSION = 2  # 2: typed record with build_id, build_options and kernel/tensorrt sections
+# Block formats a linear layer may be stored in (plugins/quant_formats.py); `weight_formats` is an
+# optional field, so a version-2 engine without it has every weight in `dtype`.
+BLOCK_WEIGHT_FORMATS = ("q4_0", "q4_1", "q8_0")
 
 
 class BackendKind(str, Enum):
@@ -87,6 +90,7 @@ class EngineConfig:
     build_info: dict[str, Any] = field(default_factory=dict)  # timings, versions, cpu: informational
     tensorrt: TensorRTPlanInfo | None = None
     kernels: KernelLibraryInfo | None = None
+    weight_formats: dict[str, str] = field(default_factory=dict)  # module name -> block format
     artifacts: dict[str, str] = field(default_factory=dict)
     folder: Path = Path(".")  # where it was loaded from; not part of the record
 
@@ -159,6 +163,7 @@ class EngineConfig:
             "build": self.build_info,
             "tensorrt": None if self.tensorrt is None else _asdict(self.tensorrt),
             "kernels": None if self.kernels is None else _asdict(self.kernels),
+            "weight_formats": self.weight_formats,
             "artifacts": self.artifacts,
         }
 
@@ -192,6 +197,7 @@ class EngineConfig:
                 build_info=read.optional("build") or {},
                 tensorrt=_maybe(TensorRTPlanInfo, read.optional("tensorrt")),
                 kernels=None if kernels is None else _kernel_info(kernels),
+                weight_formats=_weight_formats(read.optional("weight_formats") or {}),
                 artifacts=read.field("artifacts"),
                 folder=folder,
             )
@@ -241,6 +247,13 @@ def _asdict(value: Any) -> dict[str, Any]:
 
 def _kernel_info(data: dict[str, Any]) -> KernelLibraryInfo:
     return KernelLibraryInfo(**{**data, "cpu_features": tuple(data["cpu_features"])})
+
+
+def _weight_formats(data: dict[str, Any]) -> dict[str, str]:
+    bad = {name: fmt for name, fmt in data.items() if fmt not in BLOCK_WEIGHT_FORMATS}
+    if bad:
+        raise ValueError(f"weight_formats {bad} not in {', '.join(BLOCK_WEIGHT_FORMATS)}")
+    return dict(data)
 
 
 def _maybe(kind: type, data: dict[str, Any] | None) -> Any:

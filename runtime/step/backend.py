@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from ifb.runtime.engine_format import BackendKind, EngineConfig
 from ifb.runtime.errors import EngineFormatError
+from ifb.runtime.step.kernels import load_engine_kernels
 from ifb.runtime.step.network import FAST_OPS, REFERENCE_OPS, StepNetwork
 from ifb.runtime.step.step_inputs import StepInputs
 
@@ -43,6 +44,7 @@ def load_network(config: EngineConfig, reference_ops: bool) -> StepNetwork:
         config.limits.max_seq_len,
         config.limits.block_size,
         ops=REFERENCE_OPS if reference_ops else FAST_OPS,
+        weight_formats=config.weight_formats,
     )
     network = network.to(getattr(torch, config.dtype))
     network.load_state_dict(state, strict=not config.spec.tie_word_embeddings)
@@ -86,6 +88,7 @@ _COMPILED: dict[BackendKind, Callable[[EngineConfig], StepBackend]] = {
 
 def make_step_backend(config: EngineConfig, mode: StepMode = StepMode.COMPILED) -> StepBackend:
     """The one place the backend and mode are branched on."""
+    load_engine_kernels(config)  # before the compiled library is dlopen'ed (it links the shim)
     if mode is not StepMode.COMPILED:
         return NetworkStep(load_network(config, reference_ops=mode is StepMode.REFERENCE))
     return _COMPILED[config.backend](config)

@@ -18,7 +18,9 @@ from torch import nn
 from ifb.plugins.attention import paged_attention, write_kv
 from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
 from ifb.plugins.layout import AttentionLayout
+from ifb.plugins.quant_formats import WeightFormat
 from ifb.runtime.engine_format import ModelSpec
+from ifb.runtime.step.quant_linear import QuantLinear
 
 AttentionFn = Callable[..., torch.Tensor]
 WriteKvFn = Callable[..., None]
@@ -137,21 +139,34 @@ class StepNetwork(nn.Module):
         max_seq_len: int,
         block_size: int,
         ops: AttentionOps = FAST_OPS,
+        weight_formats: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
+        self.weight_formats = dict(weight_formats or {})  # module name -> block format; absent = fp32
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, block_size, ops) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        for name, fmt in self.weight_formats.items():
+            self._quantize_module(name, WeightFormat(fmt))
         freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq.float())
         angles = torch.cat((freqs, freqs), dim=-1)
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", angles.cos() * rope_scaling, persistent=False)
         self.register_buffer("rope_sin", angles.sin() * rope_scaling, persistent=False)
+
+    def _quantize_module(self, name: str, fmt: WeightFormat) -> None:
+        """Swap the nn.Linear `name` for a QuantLinear of the same shape (unties a tied head)."""
+        linear = self.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{name} is not a linear layer, cannot store it as {fmt.value}")
+        parent_name, _, attr = name.rpartition(".")
+        quant = QuantLinear(fmt, linear.in_features, linear.out_features, bias=linear.bias is not None)
+        setattr(self.get_submodule(parent_name), attr, quant)
 
     def forward(
         self,

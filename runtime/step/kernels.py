@@ -1,0 +1,42 @@
+"""Loads an engine's weight-kernel library (plugins/quant_build.py) before its step is created.
+
+The compiled step's model library resolves `aoti_torch_cpu_quant_matmul` from the quant library,
+so this must run before AotiStep dlopens it; the eager network needs the op registered too.
+`ifb run` never compiles: the library is the one `ifb build` wrote into the engine folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ifb.plugins.quant_build import QuantLibraryError, cpu_features, load_quant_library
+from ifb.runtime.engine_format import EngineConfig
+from ifb.runtime.errors import EngineFormatError
+
+# ISA name -> the library loaded for it. One per process: a second dlopen of another copy of
+# the same ISA would only re-register the same kernels (torch warns "Overriding ...").
+_LOADED: dict[str, Path] = {}
+
+
+def ensure_quant_library(path: Path, isa: str, required_features: tuple[str, ...]) -> None:
+    """Load the library at `path` unless one for `isa` is loaded already (QuantLibraryError if not loadable)."""
+    if isa in _LOADED:
+        return
+    load_quant_library(path, required_features)
+    _LOADED[isa] = path
+
+
+def load_engine_kernels(config: EngineConfig) -> None:
+    """Load `config`'s kernel library, if it has one; refuses a CPU lacking a feature in one line."""
+    if config.kernels is None or config.kernels_path is None:
+        return
+    missing = sorted(set(config.kernels.cpu_features) - cpu_features())
+    if missing:
+        raise EngineFormatError(
+            f"engine {config.folder} was built for CPU features this machine lacks ({', '.join(missing)}); "
+            f"rebuild it here: {config.rebuild_command()}"
+        )
+    try:
+        ensure_quant_library(config.kernels_path, config.kernels.isa, config.kernels.cpu_features)
+    except (QuantLibraryError, OSError) as error:
+        raise EngineFormatError(f"engine {config.folder}: cannot load {config.kernels.path}: {error}") from error

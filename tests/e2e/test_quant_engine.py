@@ -1,0 +1,194 @@
+"""Engines with block-quantized weights (GGUF Q4_1/Q8_0 kept, or HF quantized at build time).
+
+Pins: the GGUF's blocks reach the engine (dequantizing to exactly what transformers' GGUF loader
+loads), greedy output equals transformers fp32 on the same dequantized weights, a request's
+logits and K/V are bitwise the same alone or inside any batch, and the refusals: a CPU lacking a
+kernel feature, block formats with bf16 or with the tensorrt backend.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from greedy_loop import greedy_generate
+from step_cases import prompts, run_mixed_step
+from tiny_models import TINY_LIMITS
+from transformers import AutoModelForCausalLM
+
+from ifb.builder import gguf_blocks
+from ifb.builder.build import BuildOptions, build_engine
+from ifb.builder.errors import BuildError
+from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
+from ifb.runtime.engine_format import BackendKind, EngineConfig
+from ifb.runtime.errors import EngineFormatError
+from ifb.runtime.step.backend import StepMode
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
+
+LINEARS = ("attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down")
+QUANT_ENGINES = ["tiny_q4_gguf_engine", "tiny_qwen2_q8_engine"]
+
+
+def _all_linears(num_layers: int) -> set[str]:
+    return {f"layers.{i}.{name}" for i in range(num_layers) for name in LINEARS} | {"lm_head"}
+
+
+def _dequantized_hf(folder: Path, fmt: WeightFormat) -> torch.nn.Module:
+    """HF transformers fp32 on the weights a `--weights fmt` engine stores (tied head included)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) or name == "model.embed_tokens":
+                module.weight.copy_(dequantize(quantize(module.weight, fmt), fmt))
+    return model
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_gguf_blocks_are_kept_and_recorded(tiny_q4_gguf_engine: Path) -> None:
+    """`--weights auto` on a Q4_1 GGUF: every linear and the head packed, fp32 activations, kernels shipped."""
+    config = EngineConfig.load(tiny_q4_gguf_engine)
+    assert config.weight_formats == dict.fromkeys(_all_linears(config.spec.num_layers), "q4_1")
+    assert config.dtype == "float32"
+    assert config.kernels is not None and config.kernels.path in config.artifacts
+    assert config.kernels_path is not None and config.kernels_path.is_file()
+    assert not list(tiny_q4_gguf_engine.glob("kernels/*.o")) and not list(tiny_q4_gguf_engine.glob("kernels/obj-*"))
+
+
+def test_gguf_engine_greedy_equals_transformers_gguf_loader(tiny_q4_gguf: Path, tiny_q4_gguf_engine: Path) -> None:
+    """Token-for-token equality with transformers' own (dequantizing) GGUF load, whole and chunked prefill."""
+    engine = Engine.load(tiny_q4_gguf_engine, StepMode.COMPILED)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny_q4_gguf.parent, gguf_file=tiny_q4_gguf.name, dtype=torch.float32
+    ).eval()
+    for prompt in prompts(engine.config.spec.vocab_size, [5, 23, 40], seed=7):
+        expected = _hf_greedy(hf, prompt, 24)
+        assert greedy_generate(engine, prompt, 24) == expected
+        assert greedy_generate(engine, prompt, 24, chunk=16) == expected
+
+
+def test_q8_0_engine_greedy_equals_transformers_on_dequantized_weights(
+    tiny_qwen2_dir: Path, tiny_qwen2_q8_engine: Path
+) -> None:
+    """HF Qwen2 + `--weights q8_0` (tied head, qkv bias) == HF fp32 on the round-tripped weights."""
+    engine = Engine.load(tiny_qwen2_q8_engine, StepMode.COMPILED)
+    assert engine.config.weight_formats == dict.fromkeys(_all_linears(engine.config.spec.num_layers), "q8_0")
+    hf = _dequantized_hf(tiny_qwen2_dir, WeightFormat.Q8_0)
+    for prompt in prompts(engine.config.spec.vocab_size, [5, 23, 40], seed=7):
+        assert greedy_generate(engine, prompt, 24) == _hf_greedy(hf, prompt, 24)
+
+
+@pytest.mark.parametrize("engine_fixture", QUANT_ENGINES)
+def test_compiled_matches_eager_and_reference_on_mixed_step(
+    engine_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Same quant kernel in all three modes; only Inductor's RMSNorm and decode-softmax reductions
+    differ from ATen's summation order (measured max 3e-8), so logits agree to 1e-6, K/V to 1e-6."""
+    folder = request.getfixturevalue(engine_fixture)
+    results = {}
+    for mode in (StepMode.REFERENCE, StepMode.EAGER, StepMode.COMPILED):
+        engine = Engine.load(folder, mode)
+        results[mode] = (run_mixed_step(engine), engine.kv_cache.clone())
+    compiled_logits, compiled_kv = results[StepMode.COMPILED]
+    for mode in (StepMode.REFERENCE, StepMode.EAGER):
+        logits, kv = results[mode]
+        assert (logits - compiled_logits).abs().max().item() < 1e-6, mode
+        assert (kv - compiled_kv).abs().max().item() < 1e-6, mode
+
+
+def _invariance_slices(vocab: int) -> tuple[list[RequestSlice], list[RequestSlice]]:
+    """Warm-up prefills, then a step of two chunks (short/long context) and three decodes of
+    very different context lengths (1 block vs 10 blocks), so padding differs alone vs together."""
+    a, b, c, d, e = prompts(vocab, [40, 12, 150, 7, 30], seed=5)
+    tables = [[3, 17, 9], [40, 2], list(range(20, 30)), [46], [11, 12]]
+    warmup = [
+        RequestSlice(a[:24], 0, tables[0], False),
+        RequestSlice(c[:60], 0, tables[2], False),
+        RequestSlice(d, 0, tables[3], True),
+        RequestSlice(e, 0, tables[4], True),
+    ]
+    more = [RequestSlice(c[60:120], 60, tables[2], False)]
+    last = [RequestSlice(c[120:], 120, tables[2], True)]
+    mixed = [
+        RequestSlice([5], 150, tables[2], True),  # decode over 10 blocks
+        RequestSlice(a[24:], 24, tables[0], True),  # chunk over cached context
+        RequestSlice([9], 7, tables[3], True),  # decode over 1 block
+        RequestSlice(b, 0, tables[1], True),  # whole prompt
+        RequestSlice([3], 30, tables[4], True),  # decode over 2 blocks
+    ]
+    return warmup + more + last, mixed
+
+
+@pytest.mark.parametrize("engine_fixture", QUANT_ENGINES)
+def test_logits_and_kv_are_bitwise_batch_invariant(engine_fixture: str, request: pytest.FixtureRequest) -> None:
+    """Each request's logits and written K/V are bit for bit the same alone, in the batch, and
+    in the batch with the order reversed (other rows, padding and positions around it)."""
+    engine = Engine.load(request.getfixturevalue(engine_fixture), StepMode.COMPILED)
+    block_size = engine.config.limits.block_size
+    warmup, mixed = _invariance_slices(engine.config.spec.vocab_size)
+    for piece in warmup:
+        engine.step(build_step_inputs([piece], block_size))
+    snapshot = engine.kv_cache.clone()
+    together = engine.step(build_step_inputs(mixed, block_size))
+    together_kv = engine.kv_cache.clone()
+    engine.kv_cache.copy_(snapshot)
+    reversed_logits = engine.step(build_step_inputs(mixed[::-1], block_size)).flip(0)
+    assert torch.equal(reversed_logits, together)
+    assert torch.equal(engine.kv_cache, together_kv)
+    for row, piece in enumerate(mixed):
+        engine.kv_cache.copy_(snapshot)
+        alone = engine.step(build_step_inputs([piece], block_size))
+        assert torch.equal(alone[0], together[row]), f"row {row}"
+        slots = build_step_inputs([piece], block_size).slot_mapping
+        assert torch.equal(engine.kv_cache[:, :, slots], together_kv[:, :, slots]), f"K/V of row {row}"
+
+
+def test_engine_needing_a_missing_cpu_feature_is_refused(tiny_q4_gguf_engine: Path, tmp_path: Path) -> None:
+    """One line naming the feature and the rebuild command; nothing is loaded."""
+    folder = tmp_path / "engine"
+    shutil.copytree(tiny_q4_gguf_engine, folder)
+    record = json.loads((folder / "engine.json").read_text())
+    record["kernels"]["cpu_features"].append("avx10_9000")
+    (folder / "engine.json").write_text(json.dumps(record))
+    with pytest.raises(EngineFormatError) as caught:
+        Engine.load(folder, StepMode.COMPILED)
+    message = str(caught.value)
+    assert "avx10_9000" in message and "ifb build" in message and "--weights auto" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "options,names",
+    [
+        (BuildOptions(weights="q4_1", backend=BackendKind.TENSORRT), ("--weights q4_1", "tensorrt")),
+        (BuildOptions(weights="q4_1", dtype="bf16"), ("--weights q4_1", "--dtype bf16")),
+    ],
+)
+def test_block_weights_refuse_tensorrt_and_bf16(
+    options: BuildOptions, names: tuple[str, ...], tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Refused in one line naming both options, before anything is written."""
+    with pytest.raises(BuildError) as caught:
+        build_engine(tiny_llama_dir, tmp_path / "engine", options)
+    message = str(caught.value)
+    assert all(name in message for name in names) and "\n" not in message
+    assert not (tmp_path / "engine").exists()
+
+
+def test_blocks_not_matching_transformers_fail_the_build(
+    tiny_q4_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safety check: Q/K blocks left in llama.cpp's row order dequantize to other weights."""
+    monkeypatch.setattr(gguf_blocks, "PERMUTED_ARCHITECTURES", ())
+    with pytest.raises(BuildError, match=r"layers\.0\.attn\.qkv do not dequantize"):
+        build_engine(tiny_q4_gguf, tmp_path / "engine", BuildOptions(**TINY_LIMITS))
