@@ -87,7 +87,7 @@ class Sampler:
         """`bitmask` (xgrammar's int32 layout) constrains the guided rows; others are untouched."""
         requests = [row.request for row in rows]
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in requests) else None
-        logits = logits.clone()
+        raw, logits = logits, logits.clone()
         for row, request in enumerate(requests):
             p = request.params
             if p.logit_bias:
@@ -104,9 +104,24 @@ class Sampler:
         ]
         _apply_penalties(logits, penalized, requests)
         if bitmask is not None:
-            apply_bitmask(logits, bitmask, [i for i, row in enumerate(rows) if row.state.grammar_matcher is not None])
+            guided_rows = [i for i, row in enumerate(rows) if row.state.grammar_matcher is not None]
+            apply_bitmask(logits, bitmask, guided_rows)
+            self._let_the_grammar_win(logits, raw, bitmask, guided_rows)
         tokens = self._choose(logits, rows)
         return self._with_logprobs(tokens, raw_logprobs, requests)
+
+    @staticmethod
+    def _let_the_grammar_win(
+        logits: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, guided_rows: list[int]
+    ) -> None:
+        """A guided row left with no token (its grammar allows only tokens that min_tokens or
+        stop_token_ids ban, e.g. the end of a finished choice) samples under its grammar alone:
+        the constraint outranks min_tokens, rather than the row failing."""
+        dead = [row for row in guided_rows if bool(torch.isneginf(logits[row]).all())]
+        for row in dead:
+            logits[row] = raw[row]
+        if dead:
+            apply_bitmask(logits, bitmask, dead)
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         requests = [row.request for row in rows]

@@ -8,7 +8,16 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
-from ifb.runtime.sampling_params import MAX_LOGPROBS, SEED_MAX, SamplingParams
+from ifb.runtime.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 
 class ResponseFormat(BaseModel):
@@ -26,26 +35,28 @@ class _Common(BaseModel):
     # OpenAI rejects unknown arguments; so do we (vLLM's extra sampling fields are declared).
     model_config = ConfigDict(extra="forbid")
 
+    # Bounds are part of the schema (so /openapi.json documents them) and checked again by
+    # SamplingParams for Python callers; past one, a 400 names the field.
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
     # vLLM extras
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str | None = None
     # guided decoding: OpenAI's response_format and vLLM's guided_* fields
     response_format: ResponseFormat | None = None
@@ -126,8 +137,8 @@ def _token_key(key: str) -> int:
 class CompletionRequest(_Common):
     # Strict: `[true, false]` is not a list of token ids.
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -178,8 +189,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def logprobs_count(self) -> int | None:
         top = self.top_logprobs

@@ -140,3 +140,11 @@ def test_http_response_format_and_guided_fields(tiny_llama_engine: Path) -> None
         guided = httpx.get(base + "/health").json()["guided"]
         assert guided["guided_requests"] >= 2 and guided["grammar_compile_seconds_total"] > 0
         assert "ifb:guided_requests_total" in httpx.get(base + "/metrics").text
+
+
+def test_a_finished_constraint_outranks_min_tokens(llm: LLM) -> None:
+    """The choice is complete after 'yes' but min_tokens bans EOS: the grammar wins and the request
+    stops cleanly (found by the schema fuzzer as a 500: every token was masked)."""
+    params = SamplingParams(max_tokens=10, min_tokens=5, temperature=0, guided=GuidedDecoding.choice(["yes"]))
+    (out,) = llm.generate([[5, 6]], params)
+    assert out.finish_reason is FinishReason.STOP and out.text == "yes" and out.error is None
