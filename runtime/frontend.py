@@ -50,6 +50,16 @@ class Frontend:
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text (logprobs show it): its own decoding, special tokens included."""
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.engine.spec.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            raise AdmissionError(f"tokens must be integers in [0, {vocab})", field="tokens")
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             _require_unicode(prompt, "prompt")
@@ -59,14 +69,21 @@ class Frontend:
             raise AdmissionError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if not self.chat_template:
             raise AdmissionError("this engine's tokenizer has no chat template", field="messages")
         for index, message in enumerate(messages):
             if isinstance(message.get("content"), str):
                 _require_unicode(message["content"], f"messages.{index}.content")
         ids = self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages,
+            tools=tools,
+            chat_template=self.chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
         return list(ids)
 

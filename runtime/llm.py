@@ -55,13 +55,20 @@ class LLM:
         self.executor.start()
 
     def _make_scheduler(self) -> Scheduler:
+        from ifb.runtime.step.calibration import calibrate_on_engine_thread
+        from ifb.runtime.step_budget import make_step_budget
+
         limits = self.engine_config.limits
         kv = KVCacheManager(self.config.num_kv_blocks, limits.block_size, self.config.enable_prefix_reuse)
+        cost_model = self.engine_config.cost_model
+        if self.config.calibrate:
+            cost_model = calibrate_on_engine_thread(lambda: Engine(self.engine_config, self.settings.step_mode))
         return Scheduler(
             SchedulerConfig(self.config.max_batch_size, self.config.max_num_tokens, limits.max_seq_len),
             kv,
             make_capacity_policy(self.config.policy, kv),
             make_chunking_policy(self.config.chunking),
+            make_step_budget(self.config.itl_target_ms, cost_model, self.config.max_batch_size, limits.block_size),
         )
 
     @property
@@ -77,8 +84,10 @@ class LLM:
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.frontend.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.frontend.apply_chat_template(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.frontend.apply_chat_template(messages, tools)
 
     def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
         """Validate (AdmissionError naming the field) and compile any constraint."""

@@ -54,6 +54,9 @@ def create_app(
     app.get("/v1/models/{model_id:path}")(routes.model)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat)
+    app.post("/tokenize")(routes.tokenize)
+    app.post("/detokenize")(routes.detokenize)
+    app.get("/version")(routes.version)
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.metrics_text)
     return app

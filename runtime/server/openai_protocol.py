@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
@@ -18,6 +19,7 @@ from ifb.runtime.sampling_params import (
     SEED_MIN,
     SamplingParams,
 )
+from ifb.runtime.server.tools import Tool, ToolChoice, ToolPlan, plan_tools
 
 
 class ResponseFormat(BaseModel):
@@ -29,6 +31,32 @@ class ResponseFormat(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` field: the same constraints as its older guided_* fields."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraints(self) -> list[GuidedDecoding]:
+        field = "structured_outputs"
+        given = []
+        if self.json_schema is not None:
+            given.append(GuidedDecoding.json_schema(self.json_schema, field=f"{field}.json"))
+        if self.regex is not None:
+            given.append(GuidedDecoding.regex(self.regex, field=f"{field}.regex"))
+        if self.choice is not None:
+            given.append(GuidedDecoding.choice(self.choice, field=f"{field}.choice"))
+        if self.grammar is not None:
+            given.append(GuidedDecoding.grammar(self.grammar, field=f"{field}.grammar"))
+        if self.json_object:
+            given.append(GuidedDecoding.json_object(field=f"{field}.json_object"))
+        return given
 
 
 class _Common(BaseModel):
@@ -64,10 +92,11 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer name for the guided_* fields
 
     def guided(self) -> GuidedDecoding | None:
         """At most one constraint; AdmissionError names the field otherwise."""
-        given = []
+        given = [] if self.structured_outputs is None else self.structured_outputs.constraints()
         if self.response_format is not None and self.response_format.type != "text":
             rf = self.response_format
             if rf.type == "json_object":
@@ -88,7 +117,8 @@ class _Common(BaseModel):
             given.append(GuidedDecoding.choice(self.guided_choice))
         if len(given) > 1:
             raise AdmissionError(
-                "give at most one of response_format, guided_json, guided_regex, guided_grammar, guided_choice",
+                "give at most one of response_format, structured_outputs, guided_json, guided_regex, "
+                "guided_grammar, guided_choice, tool_choice (required or a named function)",
                 field=given[1].field,
             )
         return given[0] if given else None
@@ -169,6 +199,17 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    def for_template(self, index: int) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        extra = self.model_extra or {}
+        if self.role == "assistant" and extra.get("tool_calls"):
+            message["tool_calls"] = [_call_for_template(call, index) for call in extra["tool_calls"]]
+        if self.role == "tool" and extra.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(extra["tool_call_id"])
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
     def text(self, index: int) -> str:
         """The message's text; a part that is not text (an image, audio) is refused, not dropped."""
         if not isinstance(self.content, list):
@@ -188,6 +229,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # auto mode parses every call the model makes
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -213,5 +257,48 @@ class ChatCompletionRequest(_Common):
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(index)
 
+    def tool_plan(self) -> ToolPlan:
+        return plan_tools(self.tools, self.tool_choice)
+
+    def guided(self) -> GuidedDecoding | None:
+        forced = self.tool_plan().guided
+        given = super().guided()
+        if forced is not None and given is not None:
+            raise AdmissionError(
+                "tool_choice required or a named function already constrains the reply; drop " + given.field,
+                field=given.field,
+            )
+        return forced or given
+
     def chat_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        """The messages as chat templates read them, tool calls and results included."""
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+
+def _call_for_template(call: Any, index: int) -> dict[str, Any]:
+    """An earlier assistant tool call, with its arguments as an object (what templates render)."""
+    field = f"messages.{index}.tool_calls"
+    try:
+        function = call["function"]
+        arguments = function.get("arguments", "{}")
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": parsed}}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        raise AdmissionError(
+            f"{field}: each call needs function.name and JSON function.arguments", field=field
+        ) from None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (text or ids) or chat messages."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: StrictStr | list[StrictInt] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt] = Field(max_length=1 << 20)

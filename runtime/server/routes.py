@@ -12,14 +12,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ifb import __version__
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.llm import LLM
 from ifb.runtime.server.errors import ModelNotFound, error_response
 from ifb.runtime.server.health import health_body
 from ifb.runtime.server.metrics import Metrics
-from ifb.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from ifb.runtime.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from ifb.runtime.server.responses import Choice, ResponseShape, first_error
 from ifb.runtime.server.streams import close, collect_all, first_delta, sse_events, with_queue_timeout
+from ifb.runtime.server.tools import ToolPlan
 
 OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 
@@ -70,20 +77,28 @@ class Routes:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(body)
-        prompt = await self.llm.off_loop(self.llm.apply_chat_template, body.chat_messages())
-        return await self.respond(raw, body, [prompt], chat=True)
+        tools = body.tool_plan()
+        messages = body.chat_messages()
+        prompt = await self.llm.off_loop(self.llm.apply_chat_template, messages, tools.template_tools())
+        return await self.respond(raw, body, [prompt], chat=True, tools=tools)
 
-    async def respond(self, raw: Request, body: OpenAIRequest, prompts: list[list[int]], chat: bool) -> Response:
+    async def respond(
+        self,
+        raw: Request,
+        body: OpenAIRequest,
+        prompts: list[list[int]],
+        chat: bool,
+        tools: ToolPlan | None = None,
+    ) -> Response:
         choices = [
-            Choice(p_index * body.n + j, prompt, body.sampling_params(j))
+            Choice(p_index * body.n + j, p_index, prompt, body.sampling_params(j))
             for p_index, prompt in enumerate(prompts)
             for j in range(body.n)
         ]
         opened = await self.llm.open_streams([(c.prompt_token_ids, c.params) for c in choices])
         streams = [with_queue_timeout(s, self.queue_timeout, self.llm.executor.count_refusal) for s in opened]
-        shape = ResponseShape(
-            ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), self.model_id, chat
-        )
+        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        shape = ResponseShape(response_id, int(time.time()), self.model_id, chat, self.llm.frontend.token_text, tools)
         if body.stream:
             return await self._stream(shape, choices, streams, body)
         task = asyncio.ensure_future(collect_all(streams))
@@ -110,6 +125,26 @@ class Routes:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = sse_events(shape, choices, streams, first, bool(include_usage))
         return StreamingResponse(events, media_type="text/event-stream")
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            self.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages)
+            ids = await self.llm.off_loop(self.llm.apply_chat_template, chat.chat_messages())
+        elif body.prompt is not None:
+            ids = await self.llm.off_loop(self.llm.tokenize, body.prompt)
+        else:
+            raise AdmissionError("give prompt or messages", field="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.engine_config.limits.max_seq_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            self.check_model(body.model)
+        return {"prompt": await self.llm.off_loop(self.llm.frontend.detokenize, body.tokens)}
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
 
     async def health(self) -> JSONResponse:
         llm = self.llm

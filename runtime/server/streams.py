@@ -64,6 +64,7 @@ async def sse_events(
     include_usage: bool,
 ) -> AsyncIterator[str]:
     collected: list[list[RequestOutput]] = [[] for _ in choices]
+    per_choice = [shape.stream_for(choice) for choice in choices]
     merged, tasks = merge(streams, first)
     try:
         if shape.chat:
@@ -71,7 +72,8 @@ async def sse_events(
                 yield shape.role_chunk(choice.index)
         async for i, output in merged:
             collected[i].append(output)
-            yield shape.delta_chunk(choices[i], output)
+            for chunk in per_choice[i].chunks(output):
+                yield chunk
             if output.finish_reason is FinishReason.ERROR:
                 yield shape.error_event(output)
         if include_usage:

@@ -1,0 +1,165 @@
+"""Tool calling on /v1/chat/completions: `tools` + `tool_choice` in, `tool_calls` out.
+
+- `none`: tools are shown to the chat template, the model answers in text.
+- a named function: the reply is the function's arguments, constrained by the guided-decoding
+  engine to its JSON schema, so they always parse and validate.
+- `required`: the reply is {"name": ..., "arguments": ...} constrained to one of the tools
+  (anyOf over the tools' schemas), so it always names a real tool with valid arguments.
+- `auto`: the model decides; `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in
+  its text (the Hermes / Qwen / SmolLM2 convention) are parsed into `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ifb.runtime.errors import AdmissionError
+from ifb.runtime.guided import GuidedDecoding
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How one chat request treats its tools."""
+
+    mode: Literal["none", "auto", "required", "named"]
+    tools: tuple[Tool, ...]
+    named: str | None = None
+
+    @property
+    def guided(self) -> GuidedDecoding | None:
+        """The constraint that guarantees valid calls (required / named), else None."""
+        if self.mode == "named":
+            return GuidedDecoding.json_schema(self._tool(self.named).function.parameters, field="tool_choice")
+        if self.mode == "required":
+            return GuidedDecoding.json_schema({"anyOf": [_call_schema(t) for t in self.tools]}, field="tool_choice")
+        return None
+
+    def _tool(self, name: str | None) -> Tool:
+        return next(t for t in self.tools if t.function.name == name)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template expects them (None: the template sees no tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools and self.mode != "none" else None
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a finished reply; a forced call cut short (finish reason
+        `length`) comes back as text, for the client to see, rather than as a broken call."""
+        try:
+            return self._parse(text)
+        except (ValueError, KeyError, TypeError):
+            return text, []
+
+    def _parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        if self.mode == "named":
+            return None, [_call(self.named or "", _arguments(text))]
+        if self.mode == "required":
+            call = _loads(text)
+            return None, [_call(call["name"], json.dumps(call["arguments"]))]
+        if self.mode == "auto":
+            return parse_tool_call_blocks(text, {t.function.name for t in self.tools})
+        return text, []
+
+
+def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolPlan:
+    """Check tools and tool_choice together; AdmissionError names the field."""
+    tools = tools or []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise AdmissionError("tools: function names must be unique", field="tools")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise AdmissionError(
+                f"tool_choice names function {choice.function.name!r}, which is not in tools", field="tool_choice"
+            )
+        return ToolPlan("named", tuple(tools), choice.function.name)
+    if choice in ("required", "auto") and not tools:
+        raise AdmissionError(f"tool_choice {choice!r} needs at least one tool in tools", field="tool_choice")
+    return ToolPlan(choice, tuple(tools))
+
+
+def parse_tool_call_blocks(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """`<tool_call>{json}</tool_call>` blocks naming a known tool become calls; the rest is content.
+    A block that does not parse or names an unknown tool stays in the content, as text."""
+    calls = []
+    kept: list[str] = []
+    position = 0
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            call = _loads(match.group(1))
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        if name not in names:
+            continue
+        kept.append(text[position : match.start()])
+        position = match.end()
+        calls.append(_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    kept.append(text[position:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
+
+
+def _loads(text: str) -> Any:
+    """JSON as the grammar engine produced it: xgrammar lets raw control characters into strings,
+    which strict JSON forbids; clients get them escaped by the json.dumps that follows."""
+    return json.loads(text, strict=False)
+
+
+def _arguments(text: str) -> str:
+    return json.dumps(_loads(text))  # normalized; the grammar guarantees it parses
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
