@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ifb import __version__
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
 from ifb.runtime.llm import LLM
+from ifb.runtime.server.drain_rate import DrainRate
 from ifb.runtime.server.errors import ModelNotFound, error_response, validation_field
 from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware
 from ifb.runtime.server.routes import Routes
@@ -43,7 +44,9 @@ def create_app(
         openapi_url=None if with_key else "/openapi.json",
     )
     routes = Routes(llm, queue_timeout, served_model_names or (llm.model_name,))
-    _add_error_handlers(app)
+    drain = DrainRate()
+    llm.executor.finish_listeners.append(lambda request: drain.record_finish())
+    _add_error_handlers(app, llm, drain)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     if allowed_origins:  # added last, so it runs first: preflight requests carry no API key
         app.add_middleware(
@@ -62,7 +65,7 @@ def create_app(
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, llm: LLM, drain: DrainRate) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, error: RequestValidationError) -> JSONResponse:
         field, message = validation_field(error)
@@ -80,7 +83,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def on_full(_: Request, error: QueueFullError) -> JSONResponse:
-        return error_response(429, str(error), headers={"Retry-After": "1"})
+        retry = drain.retry_after_s(llm.stats().num_waiting + 1)  # when the queue ahead has drained
+        return error_response(429, str(error), headers={"Retry-After": str(retry)})
 
     @app.exception_handler(EngineUnavailableError)
     async def on_unavailable(_: Request, error: EngineUnavailableError) -> JSONResponse:

@@ -120,7 +120,7 @@ def test_429_at_the_exact_limit_and_disconnect_frees_everything(tiny_llama_engin
             assert all(r.status_code == 200 for r in responses)
             started = time.time()
             refused = httpx.post(base + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
-            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.status_code == 429 and 1 <= int(refused.headers["retry-after"]) <= 60
             assert "full" in refused.json()["error"]["message"] and time.time() - started < 1
         finally:
             for s in streams:
