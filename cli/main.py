@@ -1,4 +1,4 @@
-"""The `ifb` command line: build an engine, run (serve or one-shot prompt), bench."""
+"""The `ifb` command line: build an engine, run it (serve or one-shot prompt), serve replicas on Ray, bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from ifb.cli.bench_command import bench
 from ifb.cli.build_command import build
 from ifb.cli.logging_setup import configure_logging
 from ifb.cli.run_command import run
+from ifb.cli.serve_command import serve
 
 
 @click.group()
@@ -22,6 +23,7 @@ def cli(verbose: bool) -> None:
 cli.add_command(build)
 cli.add_command(run)
 cli.add_command(bench)
+cli.add_command(serve)
 
 if __name__ == "__main__":
     cli()

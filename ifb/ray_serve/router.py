@@ -1,0 +1,122 @@
+"""PrefixAffinityRouter: Ray Serve's request-router extension point, routing by prefix then load.
+
+Serve builds one router per deployment handle, in the caller's process (here the ingress), and
+calls `choose_replicas` with the pending request's own arguments: the prompt token ids are right
+there, so nothing is serialized to route. Each rank returned holds one replica, so Serve's own
+queue-length pick among a rank cannot override ours; it only skips a replica past its
+max_ongoing_requests (set above the engine's admission limit in deploy.py: the engine refuses
+first, with a 429 the ingress can retry elsewhere).
+
+Loads come from each replica's routing stats (replica.py, pushed through Serve's controller every
+request_routing_stats_period_s) together with this router's own count of requests in flight
+per replica, which is fresh between reports. The ingress reads the same stats for /health and
+/metrics through `affinity.router_for`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, defaultdict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from ifb.ray_serve.affinity import MAX_AFFINITY_BLOCKS, PrefixAffinity, ReplicaLoad, rank_replicas, register_router
+
+logger = logging.getLogger(__name__)
+
+ROUTED_METHOD = "generate"  # the replica method whose first argument is the list of jobs
+_MAX_PENDING_KEYS = 4096  # keys of requests chosen for but not yet routed (cancelled ones age out)
+_UNREPORTED_CAPACITY = 1 << 30  # a replica that has not reported yet counts as open
+
+
+class PrefixAffinityRouter(RequestRouter):
+    def initialize_state(self, block_size: int = 16, max_blocks: int = MAX_AFFINITY_BLOCKS, **_: Any) -> None:
+        self.affinity = PrefixAffinity(block_size, max_blocks)
+        self._pending_keys: OrderedDict[str, list[bytes]] = OrderedDict()
+        self._routed_to: dict[str, str] = {}  # internal request id -> replica, until completed
+        self._in_flight: defaultdict[str, int] = defaultdict(int)
+        register_router(self._deployment_id.name, self)
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """The latest routing stats of every replica Serve considers running, by replica id, with
+        this router's count of requests in flight on it."""
+        return {
+            r.replica_id.unique_id: {
+                **(r.routing_stats or {}),
+                "router_in_flight": self._in_flight.get(r.replica_id.unique_id, 0),
+            }
+            for r in self._replicas_list
+        }
+
+    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        stats = replica.routing_stats or {}
+        name = replica.replica_id.unique_id
+        return ReplicaLoad(
+            name,
+            int(stats.get("num_running", 0)),
+            int(stats.get("num_waiting", 0)),
+            int(stats.get("capacity", _UNREPORTED_CAPACITY)) if stats.get("ok", True) else 0,
+            self._in_flight[name],
+        )
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if pending_request is None or pending_request.metadata.call_method != ROUTED_METHOD:
+            loads = [self._load(r) for r in candidate_replicas]
+            return [[by_name[name]] for name in rank_replicas(loads, None)]
+        avoid = set(pending_request.kwargs.get("avoid", ()))
+        loads = [self._load(r) for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+        if not loads:  # every replica refused once already: let the least loaded refuse again
+            loads = [self._load(r) for r in candidate_replicas]
+        token_ids, params = pending_request.args[0][0]
+        keys = self.affinity.keys(token_ids, params.cache_salt)
+        self._remember_pending(pending_request.metadata.internal_request_id, keys)
+        preferred, num_blocks = self.affinity.lookup(keys)
+        ranked = rank_replicas(loads, preferred)
+        logger.debug(
+            "route %s: prefix %d blocks on %s, ranked %s",
+            pending_request.metadata.request_id,
+            num_blocks,
+            preferred,
+            ranked,
+        )
+        return [[by_name[name]] for name in ranked]
+
+    def _remember_pending(self, request_id: str, keys: list[bytes]) -> None:
+        self._pending_keys[request_id] = keys
+        while len(self._pending_keys) > _MAX_PENDING_KEYS:
+            self._pending_keys.popitem(last=False)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        keys = self._pending_keys.pop(request_id, None)
+        if keys is None:
+            return
+        name = replica_id.unique_id
+        self.affinity.remember(keys, name)
+        self._routed_to[request_id] = name
+        self._in_flight[name] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        name = self._routed_to.pop(internal_request_id, None)
+        if name is not None and self._in_flight[name] > 0:
+            self._in_flight[name] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = set(self._in_flight) | {r.replica_id.unique_id for r in self._replicas_list}
+        super().update_replicas(replicas)
+        for name in before - {r.replica_id.unique_id for r in replicas}:
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self.affinity.forget(name)
+        self._in_flight.pop(name, None)
+        for request_id in [r for r, n in self._routed_to.items() if n == name]:
+            del self._routed_to[request_id]

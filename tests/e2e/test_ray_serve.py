@@ -1,0 +1,163 @@
+"""`ifb serve` on Ray Serve: two replicas of the tiny engine (one thread each) behind one ingress.
+
+One deployment for the module (Ray and two engines take ~20 s to start); the replica-kill test
+runs last. Skipped without the [serve] extra.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from server_harness import free_port  # noqa: E402
+
+from ifb.ray_serve.deploy import ServeOptions, serve_engine, shutdown  # noqa: E402
+from ifb.runtime.runtime_config import RuntimeSettings  # noqa: E402
+
+START_TIMEOUT_S = 90
+REPORT_WAIT_S = 10  # replicas report every 0.2 s here; allow for a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_llama_engine: Path) -> Iterator[str]:
+    port = free_port()
+    options = ServeOptions(num_replicas=2, threads_per_replica=1, port=port, stats_period_s=0.2)
+    serve_engine(tiny_llama_engine, RuntimeSettings(), options, blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: health(base)["num_ready"] == 2, START_TIMEOUT_S, "both replicas ready")
+        yield base
+    finally:
+        shutdown()
+
+
+def health(base: str) -> dict[str, Any]:
+    return httpx.get(base + "/health", timeout=5).json()
+
+
+def wait_for(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        if time.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def per_replica(base: str, block: str, key: str) -> dict[str, int]:
+    return {name: r[block][key] for name, r in health(base)["replicas"].items() if block in r}
+
+
+def complete(base: str, prompt: list[int], max_tokens: int = 4, **extra: Any) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, **extra}
+    return httpx.post(base + "/v1/completions", json=body, timeout=60)
+
+
+def test_openai_sdk_works_unchanged(base_url: str) -> None:
+    """The openai client talks to the ingress as to `ifb run`: models, completions, chat, streaming."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    completion = client.completions.create(model=model, prompt="hello there", max_tokens=5)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage is not None and completion.usage.completion_tokens >= 1
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(client.completions.create(model=model, prompt="stream me", max_tokens=6, stream=True))
+    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=5, temperature=-1)
+
+
+def test_shared_prefix_requests_land_on_one_replica(base_url: str) -> None:
+    """Prompts sharing their first blocks go to the replica that holds them: prefix hits rise
+    on that replica only."""
+    before = per_replica(base_url, "kv_cache", "prefix_cache_hit_tokens")
+    shared = [7 + (i * 13) % 250 for i in range(64)]  # 4 full blocks of 16
+    for i in range(5):
+        assert complete(base_url, shared + [11 + i, 12, 13]).status_code == 200
+
+    def gained() -> dict[str, int]:
+        after = per_replica(base_url, "kv_cache", "prefix_cache_hit_tokens")
+        return {name: after[name] - before.get(name, 0) for name in after}
+
+    wait_for(lambda: sum(gained().values()) >= 4 * 64, REPORT_WAIT_S, "prefix hits reported")
+    assert sorted(gained().values()) == [0, 4 * 64]
+
+
+def test_load_spreads_when_prefixes_differ(base_url: str) -> None:
+    """Concurrent requests with unrelated prompts go to both replicas (power of two choices)."""
+    before = per_replica(base_url, "scheduling", "submitted")
+    prompts = [[30 + 17 * i + j for j in range(20)] for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        codes = list(pool.map(lambda p: complete(base_url, p, max_tokens=24, ignore_eos=True).status_code, prompts))
+    assert codes == [200] * 12
+
+    def gained() -> list[int]:
+        after = per_replica(base_url, "scheduling", "submitted")
+        return [after[name] - before.get(name, 0) for name in after]
+
+    wait_for(lambda: sum(gained()) >= 12, REPORT_WAIT_S, "submissions reported")
+    assert min(gained()) >= 2, gained()
+    in_flight = [r["router_in_flight"] for r in health(base_url)["replicas"].values()]
+    assert in_flight == [0, 0], "the router counts every finished request out"
+
+
+def test_client_disconnect_cancels_inside_the_replica(base_url: str) -> None:
+    """Closing a stream mid-way aborts the request in its replica (`cancelled` rises)."""
+    before = health(base_url)["scheduling"]["cancelled"]
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=30) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= 3:
+                break
+    wait_for(lambda: health(base_url)["scheduling"]["cancelled"] > before, REPORT_WAIT_S, "the cancellation")
+
+
+def _stream_outcome(base: str, prompt: list[int]) -> str:
+    """'done', 'error' (an error event, or a failed status), read to the end."""
+    body = {"prompt": prompt, "max_tokens": 220, "ignore_eos": True, "stream": True}
+    outcome = "done"
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+        if response.status_code != 200:
+            return "error"
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"error"' in line and json.loads(line[6:]).get("error"):
+                outcome = "error"
+    return outcome
+
+
+def test_killed_replica_fails_only_its_requests_and_is_replaced(base_url: str) -> None:
+    """SIGKILL one replica's process mid-stream: its streams end with an error event, the other
+    replica's finish, nothing hangs, new requests succeed, and Ray starts a replacement."""
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_stream_outcome, base_url, [40 + 9 * i + j for j in range(20)]) for i in range(6)]
+        wait_for(lambda: min(per_replica(base_url, "scheduling", "resident").values()) > 0, 20, "both replicas busy")
+        victim, report = next(iter(sorted(health(base_url)["replicas"].items())))
+        os.kill(report["pid"], signal.SIGKILL)
+        outcomes = [f.result(timeout=90) for f in futures]
+    assert "error" in outcomes and "done" in outcomes, outcomes
+    for i in range(4):
+        assert complete(base_url, [90 + i, 91, 92]).status_code == 200
+
+    def replaced() -> bool:
+        replicas = health(base_url)["replicas"]
+        ready = [r for r in replicas.values() if r.get("status") == "ok"]
+        return victim not in replicas and len(ready) == 2
+
+    wait_for(replaced, 60, "a replacement replica")
