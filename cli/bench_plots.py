@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import click
 
 from ifb.cli.bench_runner import ModeRun
+
+BENCH_EXTRA_HINT = "pip install 'ifb[bench]' (in a checkout: pip install -e '.[bench]')"
 
 
 def seat_intervals(run: ModeRun) -> list[tuple[int, str, float, float, list[tuple[float, float]]]]:
@@ -44,12 +49,20 @@ def busy_seat_steps(run: ModeRun) -> int:
     return sum(step.num_requests for step in run.steps)
 
 
-def write_plots(runs: Sequence[ModeRun], folder: Path) -> list[Path]:
-    import matplotlib
-
+def import_pyplot() -> Any:
+    """matplotlib.pyplot drawing off-screen; matplotlib is only in the `bench` extra."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise click.ClickException(f"--plot needs matplotlib, which is not installed: {BENCH_EXTRA_HINT}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_plots(runs: Sequence[ModeRun], folder: Path) -> list[Path]:
+    plt = import_pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / "slot_timeline.png", folder / "latency_cdf.png", folder / "steps_over_time.png"]
     colors = plt.get_cmap("tab20")

@@ -2,40 +2,85 @@
 
 Text that could still become a stop string is held back until it cannot, so a stop string is
 never emitted, even when it spans several tokens.
+
+Fast tokenizers decode with the tokenizers library's own `DecodeStream` (one call into Rust per
+token); slow (pure Python) tokenizers re-decode a short tail through `tokenizer.decode`.
+Both start from the last prompt tokens, so the first output token gets its leading space right.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
+
+from tokenizers.decoders import DecodeStream
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so leading spaces come out right
 
 
+class _StreamDecoder(Protocol):
+    def step(self, token_ids: list[int]) -> str:
+        """The text the new tokens complete ("" while a multi-token character is unfinished)."""
+        ...
+
+
+class _RustStreamDecoder:
+    """tokenizers' DecodeStream: buffers bytes of an unfinished character inside the library."""
+
+    def __init__(self, tokenizer: Any, context_token_ids: list[int]) -> None:
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(context_token_ids, skip_special_tokens=True)
+
+    def step(self, token_ids: list[int]) -> str:
+        return self._stream.step(self._backend, token_ids) or ""
+
+
+class _TailDecoder:
+    """Decodes [prefix_offset:] and [prefix_offset:read_offset] with `tokenizer.decode`; the new
+    text is the difference, unless it ends in an unfinished UTF-8 sequence."""
+
+    def __init__(self, tokenizer: Any, context_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(context_token_ids)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def step(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        before = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return after[len(before) :]
+
+
+def _stream_decoder(tokenizer: Any, context_token_ids: list[int]) -> _StreamDecoder:
+    # DecodeStream runs only the Rust decoder: a tokenizer whose decode() also cleans up spaces
+    # in Python would stream different text than it decodes, so it keeps the tail path.
+    if hasattr(tokenizer, "backend_tokenizer") and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return _RustStreamDecoder(tokenizer, context_token_ids)
+    return _TailDecoder(tokenizer, context_token_ids)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self._decoder = _stream_decoder(tokenizer, list(prompt_token_ids[-_PROMPT_CONTEXT:]))
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
         self.stopped = False
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def push(self, token_ids: list[int]) -> None:
         """Add tokens; sets `stopped` (and cuts `text`) when a stop string appears."""
-        self.ids.extend(token_ids)
-        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
+        new_text = self._decoder.step(token_ids)
+        if not new_text:
+            return
         searched_from = max(0, len(self.text) - self.holdback)
-        self.text += after[len(before) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += new_text
         found = [i for i in (self.text.find(stop, searched_from) for stop in self.stop) if i != -1]
         if found:  # the earliest stop string wins, whatever order they were given in
             self.text = self.text[: min(found)]
