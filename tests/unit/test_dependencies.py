@@ -176,9 +176,9 @@ def test_every_extra_entry_is_used() -> None:
 
 
 def test_the_tests_import_only_base_and_dev_packages() -> None:
-    """`make test` installs `.[dev,bench]`: the test suite needs nothing else."""
+    """`make test` installs `.[dev,bench,serve]`: the test suite needs nothing else."""
     local = frozenset(path.stem for path in (ROOT / "tests").rglob("*.py"))
-    allowed = base_dependencies() | extras()["dev"] | extras()["bench"]
+    allowed = base_dependencies() | extras()["dev"] | extras()["bench"] | extras()["serve"]
     missing = {
         module: sorted(files)
         for module, files in third_party_imports(("tests",), local).items()
