@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from ifb.builder.backends import Backend, compiler_for
+from ifb.builder.calibrate import calibrate_engine_folder
 from ifb.builder.convert import hf_to_network_state_dict
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
@@ -184,6 +185,10 @@ def build_engine(
             weight_formats=network.weight_formats,
         )
         write_engine_json(folder, config)
+        t = time.perf_counter()
+        # Last, on the finished folder: it times the engine exactly as `ifb run` will load it.
+        calibrate_engine_folder(folder)
+        stage("calibrate", t)
         artifact_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return BuildSummary(
         output=output,

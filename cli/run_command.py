@@ -19,6 +19,7 @@ from ifb.runtime.engine_format import DTYPE_ALIASES, ENGINE_JSON, EngineConfig
 from ifb.runtime.errors import IfbError
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.runtime_config import RuntimeSettings
+from ifb.runtime.step_budget import DEFAULT_TARGET_CONTEXT, DEFAULT_TARGET_DECODE_MULTIPLE
 
 if TYPE_CHECKING:
     from ifb.llm import LLM
@@ -29,7 +30,7 @@ API_KEY_ENV = "IFB_API_KEY"
 RUN_OPTION_GROUPS = {
     "Model": ("dtype", "max_model_len", "chat_template", "threads"),
     "Limits": ("max_batch_size", "max_num_tokens", "max_queued_requests", "queue_timeout", "default_max_tokens"),
-    "Scheduling": ("policy", "chunking", "enable_prefix_reuse"),
+    "Scheduling": ("policy", "chunking", "enable_prefix_reuse", "itl_target_ms", "calibrate"),
     "Server": ("host", "port", "served_model_names", "api_key", "api_key_file", "allowed_origins"),
     "Logging": ("log_level", "log_format", "trace"),
     "One-shot prompt (instead of serving)": ("prompt", "max_tokens", "temperature"),
@@ -219,6 +220,23 @@ def _serve(llm: LLM, host: str, port: int, log_level: str, **app_options: Any) -
     show_default=True,
     help="Reuse the KV blocks of a shared prompt prefix. Alias: vLLM's --enable-prefix-caching.",
 )
+@click.option(
+    "--itl-target-ms",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Inter-token latency target: each step's prefill chunk is the largest whose predicted step time "
+    "(the engine's cost model) stays under it, and at least one block, so streams never stall behind a "
+    f"long prompt. Default: {DEFAULT_TARGET_DECODE_MULTIPLE:g}x the predicted decode step of a full batch at "
+    f"{DEFAULT_TARGET_CONTEXT} tokens of context (/health shows it); off for an engine without a cost model. "
+    "0 = off: every step may take --max-num-tokens.",
+)
+@click.option(
+    "--calibrate",
+    is_flag=True,
+    default=False,
+    help="Re-measure the step cost model on this machine at start (a few seconds) instead of using the one "
+    "ifb build recorded in engine.json.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option(
@@ -270,6 +288,8 @@ def run(
     policy: str,
     chunking: str,
     enable_prefix_reuse: bool,
+    itl_target_ms: float | None,
+    calibrate: bool,
     host: str,
     port: int,
     served_model_names: tuple[str, ...],
@@ -300,6 +320,8 @@ def run(
         enable_prefix_reuse=enable_prefix_reuse,
         default_max_tokens=default_max_tokens,
         chat_template=read_chat_template(chat_template),
+        itl_target_ms=itl_target_ms,
+        calibrate=calibrate,
     )
     build_options = build_options_for(max_batch_size, max_num_tokens, dtype, max_model_len)
     llm = _load_llm(target, dtype, max_model_len, settings, build_options)

@@ -59,6 +59,7 @@ class StepRecord:
     request_ids: tuple[str, ...]
     prefill_ids: tuple[str, ...]
     num_used_blocks: int
+    predicted_ms: float | None = None  # the scheduler's cost-model prediction for this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,7 @@ class Executor:
         self._fatal_error: str | None = None
         self._guided = GuidedUsage()
         self.snapshot = EngineSnapshot()
+        self.queue_timeout_s: float | None = None  # waiting longer than this before admission: refused
         self.step_listeners: list[StepListener] = []
         self.finish_listeners: list[Callable[[Request], None]] = []
         self._last_summary = time.monotonic()
@@ -150,6 +152,7 @@ class Executor:
                 self._take_inbox(block=not self.scheduler.has_work)
                 if self._stopping.is_set():
                     break
+                self._expire_waiting()
                 batch = self.scheduler.schedule()
                 if batch.is_empty:
                     if self.scheduler.has_work:
@@ -196,6 +199,13 @@ class Executor:
         else:
             self.scheduler.stats.refused += 1
 
+    def _expire_waiting(self) -> None:
+        timeout = self.queue_timeout_s
+        if timeout is None:
+            return
+        for request in self.scheduler.expire_waiting(time.perf_counter() - timeout):
+            self._deliver(request, self.outputs.final_output(request))
+
     def _count_guided(self, seconds: float) -> None:
         g = self._guided
         self._guided = GuidedUsage(
@@ -223,9 +233,11 @@ class Executor:
         sampled = {row.request.request_id: sample.token_id for row, sample in live}
         logprobs = {row.request.request_id: sample.logprob for row, sample in live}
         stops = self.outputs.process((row.request, sample.token_id, row.state) for row, sample in live)
-        for request in self.scheduler.update(batch, sampled, stops):
-            rid = request.request_id
-            self._deliver(request, self.outputs.token_output(request, sampled[rid], logprobs[rid]))
+        produced = self.scheduler.update(batch, sampled, stops)
+        outputs = [self.outputs.token_output(r, sampled[r.request_id], logprobs[r.request_id]) for r in produced]
+        self._publish()  # before the deltas: a caller that saw its last token sees it counted too
+        for request, output in zip(produced, outputs, strict=True):
+            self._deliver(request, output)
         self._tokens_since_summary += len(sampled)
         self._record(batch, start)
 
@@ -324,6 +336,7 @@ class Executor:
                 or (item.request_id in requests and requests[item.request_id].num_output_tokens == 0)
             ),
             num_used_blocks=self.scheduler.kv.num_used_blocks,
+            predicted_ms=batch.predicted_ms,
         )
         for listener in self.step_listeners:
             listener(record)

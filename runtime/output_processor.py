@@ -77,6 +77,7 @@ class OutputProcessor:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_prefix_hit_tokens,
             error=request.error,
+            timed_out_in_queue=request.timed_out_in_queue,
             **_timings(request),
         )
 

@@ -31,6 +31,7 @@ class RequestOutput:
     ttft_s: float | None = None
     e2e_s: float | None = None
     queue_s: float | None = None
+    timed_out_in_queue: bool = False
 
 
 @dataclass(frozen=True, slots=True)

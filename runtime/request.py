@@ -70,6 +70,7 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     was_admitted_mid_flight: bool = False
+    timed_out_in_queue: bool = False  # never admitted within the queue timeout: a 429, not an abort
 
     @property
     def num_tokens(self) -> int:

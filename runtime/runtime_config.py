@@ -25,6 +25,10 @@ class RuntimeSettings:
     kv_blocks: int | None = None
     step_mode: StepMode = StepMode.COMPILED
     chat_template: str | None = None  # a Jinja template replacing the tokenizer's own
+    # Inter-token latency target: None = the default from the engine's cost model (step_budget.py),
+    # 0 = off (every step may take max_num_tokens), > 0 = milliseconds per step, predicted.
+    itl_target_ms: float | None = None
+    calibrate: bool = False  # re-measure the step cost model at start instead of engine.json's
 
     def __post_init__(self) -> None:  # accept the enums' string values from CLIs and callers
         object.__setattr__(self, "policy", CapacityPolicyKind(self.policy))
@@ -45,6 +49,8 @@ class RuntimeConfig:
     # a whole max_seq_len -- one such request can no longer serialize the server.
     default_max_tokens: int = 512
     num_kv_blocks: int = 0  # blocks the scheduler may use, <= the engine's pool
+    itl_target_ms: float | None = None  # as RuntimeSettings: None = default, 0 = off
+    calibrate: bool = False
 
 
 def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> RuntimeConfig:
@@ -76,6 +82,8 @@ def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> R
         raise LimitExceededError(f"max_queued_requests must be >= 0, got {settings.max_queued_requests}")
     if settings.default_max_tokens < 1:
         raise LimitExceededError(f"default_max_tokens must be >= 1, got {settings.default_max_tokens}")
+    if settings.itl_target_ms is not None and not settings.itl_target_ms >= 0:
+        raise LimitExceededError(f"itl_target_ms must be >= 0 (0 = off), got {settings.itl_target_ms}")
     return RuntimeConfig(
         max_batch_size=batch,
         max_num_tokens=tokens,
@@ -85,4 +93,6 @@ def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> R
         enable_prefix_reuse=settings.enable_prefix_reuse,
         default_max_tokens=settings.default_max_tokens,
         num_kv_blocks=settings.kv_blocks or engine.limits.num_kv_blocks,
+        itl_target_ms=settings.itl_target_ms,
+        calibrate=settings.calibrate,
     )

@@ -18,6 +18,7 @@ from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.policies import CapacityPolicy, ChunkingPolicy, aligned_chunk
 from ifb.runtime.request import FinishReason, Request, RequestState, Stop
 from ifb.runtime.scheduler_stats import SchedulerStats
+from ifb.runtime.step_budget import StepBudget, deepest_start, step_shape
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class ScheduledRequest:
 class ScheduledBatch:
     requests: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...] = ()
+    predicted_ms: float | None = None  # the step budget's cost model, when it has one
 
     @property
     def num_tokens(self) -> int:
@@ -57,12 +59,14 @@ class Scheduler:
         kv: KVCacheManager,
         capacity: CapacityPolicy,
         chunking: ChunkingPolicy,
+        step_budget: StepBudget,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
         self.kv = kv
         self.capacity = capacity
         self.chunking = chunking
+        self.step_budget = step_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -99,21 +103,27 @@ class Scheduler:
                 chosen[request.request_id] = 1
                 budget -= 1
         prefilling = [r for r in self.running if r.num_tokens_to_compute > 1]
+        decodes = step_shape(chosen, self.requests)
+        prefill_budget = self.step_budget.prefill_token_budget(budget, decodes, deepest_start(prefilling))
         if self.capacity.may_admit_now(num_running_at_start):
             admission_budget = self.capacity.admission_token_budget(
-                self.chunking.admission_budget(prefilling, budget, self.kv.block_size)
+                self.chunking.admission_budget(prefilling, prefill_budget, self.kv.block_size)
             )
             prefilling += self._admit(admission_budget, num_running_at_start)
         elif self.waiting:
             self.stats.stalls_batch_full += 1
-        for request, size in self.chunking.split(prefilling, budget, self.kv.block_size):
+        # A prefix hit can start an admitted prompt deeper than any running one: bound again.
+        prefill_budget = min(
+            prefill_budget, self.step_budget.prefill_token_budget(budget, decodes, deepest_start(prefilling))
+        )
+        for request, size in self.chunking.split(prefilling, prefill_budget, self.kv.block_size):
             if request.state is RequestState.RUNNING and self._reserve(request, size, preempted, chosen):
                 chosen[request.request_id] = size
         batch = tuple(
             ScheduledRequest(rid, n, self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens)
             for rid, n in chosen.items()
         )
-        return ScheduledBatch(batch, tuple(preempted))
+        return ScheduledBatch(batch, tuple(preempted), self.step_budget.predict_ms(step_shape(chosen, self.requests)))
 
     def _reserve(self, request: Request, num_tokens: int, preempted: list[str], chosen: dict[str, int]) -> bool:
         """Allocate blocks for this step, preempting (policy permitting) until they fit."""
@@ -251,6 +261,22 @@ class Scheduler:
             self.stats.failed += 1
         else:
             self.stats.completed += 1
+
+    def expire_waiting(self, arrived_before: float) -> list[Request]:
+        """Refuse requests still waiting for their first admission that arrived before
+        `arrived_before` (the queue timeout); preempted ones were admitted once and stay."""
+        expired = [r for r in self.waiting if r.state is RequestState.WAITING and r.times.arrival < arrived_before]
+        for request in expired:
+            self.waiting.remove(request)
+            self.kv.forget(request)
+            request.state = RequestState.FINISHED
+            request.finish_reason = FinishReason.ABORT
+            request.error = "the request was not admitted within the queue timeout"
+            request.timed_out_in_queue = True
+            request.times.finished = self._clock()
+            del self.requests[request.request_id]
+            self.stats.refused += 1
+        return expired
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running)

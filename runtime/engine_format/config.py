@@ -18,6 +18,7 @@ from ifb.runtime.engine_format.artifacts import ENGINE_JSON, confined_path, veri
 from ifb.runtime.engine_format.limits import EngineLimits, kv_bytes_per_block, kv_pool_shape
 from ifb.runtime.engine_format.model_spec import ModelSpec
 from ifb.runtime.errors import EngineFormatError
+from ifb.runtime.step_cost_model import StepCostModel
 
 ENGINE_FORMAT_VERSION = 2  # 2: typed record with build_id, build_options and kernel/tensorrt sections
 # Block formats a linear layer may be stored in (plugins/quant_formats.py); `weight_formats` is an
@@ -91,6 +92,7 @@ class EngineConfig:
     tensorrt: TensorRTPlanInfo | None = None
     kernels: KernelLibraryInfo | None = None
     weight_formats: dict[str, str] = field(default_factory=dict)  # module name -> block format
+    cost_model: StepCostModel | None = None  # measured at the end of the build on the building machine
     artifacts: dict[str, str] = field(default_factory=dict)
     folder: Path = Path(".")  # where it was loaded from; not part of the record
 
@@ -164,6 +166,7 @@ class EngineConfig:
             "tensorrt": None if self.tensorrt is None else _asdict(self.tensorrt),
             "kernels": None if self.kernels is None else _asdict(self.kernels),
             "weight_formats": self.weight_formats,
+            "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             "artifacts": self.artifacts,
         }
 
@@ -179,6 +182,7 @@ class EngineConfig:
         read = _Reader(record, where)
         try:
             kernels = read.optional("kernels")
+            cost_model = read.optional("cost_model")
             return cls(
                 model_name=read.field("model_name"),
                 spec=ModelSpec.from_json(read.field("model")),
@@ -198,6 +202,7 @@ class EngineConfig:
                 tensorrt=_maybe(TensorRTPlanInfo, read.optional("tensorrt")),
                 kernels=None if kernels is None else _kernel_info(kernels),
                 weight_formats=_weight_formats(read.optional("weight_formats") or {}),
+                cost_model=None if cost_model is None else StepCostModel.from_json(cost_model),
                 artifacts=read.field("artifacts"),
                 folder=folder,
             )

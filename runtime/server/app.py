@@ -43,7 +43,9 @@ def create_app(
         redoc_url=None if with_key else "/redoc",
         openapi_url=None if with_key else "/openapi.json",
     )
-    routes = Routes(llm, queue_timeout, served_model_names or (llm.model_name,))
+    if queue_timeout is not None:  # the engine refuses what waits longer; the server says 429
+        llm.executor.queue_timeout_s = queue_timeout
+    routes = Routes(llm, served_model_names or (llm.model_name,))
     drain = DrainRate()
     llm.executor.finish_listeners.append(lambda request: drain.record_finish())
     _add_error_handlers(app, llm, drain)

@@ -8,6 +8,7 @@ from typing import Any
 from ifb.runtime.engine_format import EngineLimits
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.runtime_config import RuntimeConfig
+from ifb.runtime.step_budget import StepBudget
 
 
 def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:
@@ -30,8 +31,23 @@ def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:
     }
 
 
+def step_budget_block(budget: StepBudget) -> dict[str, Any]:
+    """The active inter-token target (None = off: the fixed max_num_tokens budget) and the cost
+    model the scheduler predicts steps with (None if the engine has none)."""
+    model = budget.cost_model
+    return {
+        "itl_target_ms": budget.itl_target_ms,
+        "cost_model": None if model is None else model.to_json(),
+    }
+
+
 def health_body(
-    model: str, health: ExecutorHealth, snapshot: EngineSnapshot, limits: EngineLimits, config: RuntimeConfig
+    model: str,
+    health: ExecutorHealth,
+    snapshot: EngineSnapshot,
+    limits: EngineLimits,
+    config: RuntimeConfig,
+    budget: StepBudget,
 ) -> dict[str, Any]:
     kv, guided = snapshot.kv, snapshot.guided
     return {
@@ -50,6 +66,7 @@ def health_body(
             "enable_prefix_reuse": config.enable_prefix_reuse,
         },
         "scheduling": scheduling_block(snapshot),
+        "step_budget": step_budget_block(budget),
         "kv_cache": {
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,

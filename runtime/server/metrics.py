@@ -9,12 +9,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ifb.runtime.executor import StepRecord
 from ifb.runtime.request import Request
 
 if TYPE_CHECKING:
     from ifb.runtime.llm import LLM
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+# measured / predicted - 1: 0 is a perfect prediction, 0.5 a step 50% slower than predicted.
+_PREDICTION_ERROR_BUCKETS = (-0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 2, 4)
 
 
 class _SchedulerCollector(Collector):
@@ -71,7 +74,19 @@ class Metrics:
             "ifb:request_queue_time_seconds", "Arrival to admission.", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.finished = Counter("ifb:request_success", "Finished requests by reason.", ["finished_reason"], registry=r)
+        self.step_prediction_error = Histogram(
+            "ifb:step_time_prediction_error_ratio",
+            "Measured step time / the cost model's prediction - 1 (steps with a prediction).",
+            buckets=_PREDICTION_ERROR_BUCKETS,
+            registry=r,
+        )
         llm.executor.finish_listeners.append(self.on_finish)
+        llm.executor.step_listeners.append(self.on_step)
+
+    def on_step(self, step: StepRecord) -> None:
+        """Runs on the executor thread once per step."""
+        if step.predicted_ms:
+            self.step_prediction_error.observe(1000 * (step.end - step.start) / step.predicted_ms - 1)
 
     def on_finish(self, request: Request) -> None:
         """Runs on the executor thread once per request."""

@@ -25,18 +25,17 @@ from ifb.runtime.server.openai_protocol import (
     TokenizeRequest,
 )
 from ifb.runtime.server.responses import Choice, ResponseShape, first_error
-from ifb.runtime.server.streams import close, collect_all, first_delta, sse_events, with_queue_timeout
+from ifb.runtime.server.streams import close, collect_all, first_delta, refuse_queue_timeouts, sse_events
 from ifb.runtime.server.tools import ToolPlan
 
 OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 
 
 class Routes:
-    def __init__(self, llm: LLM, queue_timeout: float | None, model_names: tuple[str, ...]) -> None:
+    def __init__(self, llm: LLM, model_names: tuple[str, ...]) -> None:
         self.llm = llm
         self.model_names = model_names
         self.model_id = model_names[0]
-        self.queue_timeout = queue_timeout
         self.metrics = Metrics(llm)
 
     def check_model(self, name: str | None) -> None:
@@ -96,7 +95,7 @@ class Routes:
             for j in range(body.n)
         ]
         opened = await self.llm.open_streams([(c.prompt_token_ids, c.params) for c in choices])
-        streams = [with_queue_timeout(s, self.queue_timeout, self.llm.executor.count_refusal) for s in opened]
+        streams = [refuse_queue_timeouts(s) for s in opened]
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         shape = ResponseShape(response_id, int(time.time()), self.model_id, chat, self.llm.frontend.token_text, tools)
         if body.stream:
@@ -149,7 +148,8 @@ class Routes:
     async def health(self) -> JSONResponse:
         llm = self.llm
         health = llm.health()
-        body = health_body(self.model_id, health, llm.stats(), llm.engine_config.limits, llm.config)
+        budget = llm.executor.scheduler.step_budget  # fixed at start: safe to read from any thread
+        body = health_body(self.model_id, health, llm.stats(), llm.engine_config.limits, llm.config, budget)
         return JSONResponse(body, status_code=200 if health.ok else 503)
 
     async def metrics_text(self) -> Response:

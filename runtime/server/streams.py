@@ -5,7 +5,7 @@ Closing any of these closes the engine streams under it, which aborts unfinished
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from ifb.runtime.errors import QueueFullError
 from ifb.runtime.outputs import RequestOutput
@@ -19,16 +19,15 @@ class QueueTimeoutError(QueueFullError):
     pass
 
 
-async def with_queue_timeout(stream: Stream, queue_timeout: float | None, on_refused: Callable[[], None]) -> Stream:
-    """A request that produces nothing within `queue_timeout` is aborted and refused (429)."""
+async def refuse_queue_timeouts(stream: Stream) -> Stream:
+    """A request the engine refused for waiting past the queue timeout raises a 429 (before any
+    byte is sent); one that was admitted in time streams on, however long its prefill takes."""
     try:
-        first = await asyncio.wait_for(stream.__anext__(), timeout=queue_timeout)
-    except TimeoutError:
-        await close(stream)
-        on_refused()
-        raise QueueTimeoutError(f"request waited longer than the queue timeout of {queue_timeout}s") from None
+        first = await stream.__anext__()
     except StopAsyncIteration:
         return
+    if first.timed_out_in_queue:
+        raise QueueTimeoutError(first.error or "the request waited longer than the queue timeout")
     yield first
     async for output in stream:
         yield output

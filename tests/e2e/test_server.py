@@ -155,6 +155,16 @@ def test_queue_timeout_returns_429(tiny_llama_engine: Path) -> None:
     llm.close()
 
 
+def test_queue_timeout_times_the_queue_not_the_first_token(tiny_llama_engine: Path) -> None:
+    """Admitted at once but slow to its first token (a long prefill): not a 429."""
+    llm = LLM(tiny_llama_engine, max_batch_size=2)
+    slow_down(llm, 0.6)
+    with running_server(llm, queue_timeout=0.2) as base:
+        response = httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+    llm.close()
+
+
 BAD_INPUTS = [
     (b"{not json", "body", 400),
     (json.dumps({"prompt": "hi", "max_tokens": "many"}).encode(), "max_tokens", 400),

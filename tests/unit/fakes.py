@@ -14,6 +14,8 @@ from ifb.runtime.policies import (
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from ifb.runtime.step_budget import FixedBudget, StepBudget
+from ifb.runtime.step_cost_model import StepCostModel, StepShape
 
 _ids = itertools.count()
 EOS = 2
@@ -50,6 +52,7 @@ def make_scheduler(
     policy: CapacityPolicyKind = CapacityPolicyKind.GUARANTEED_NO_EVICT,
     chunking: ChunkingPolicyKind = ChunkingPolicyKind.FIRST_COME_FIRST_SERVED,
     prefix_reuse: bool = True,
+    budget: StepBudget | None = None,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, prefix_reuse)
     return Scheduler(
@@ -57,19 +60,42 @@ def make_scheduler(
         kv,
         make_capacity_policy(policy, kv),
         make_chunking_policy(chunking),
+        budget or FixedBudget(),
     )
 
 
 class FakeEngine:
-    """Next token = (last known token + 1) % 1000, never EOS: outputs are predictable."""
+    """Next token = (last known token + 1) % 1000, never EOS: outputs are predictable.
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    Each step's shape is counted here from the requests, independently of the scheduler, into
+    `shapes`; with `cost`, the step takes the time that model gives for it, listed in `step_ms`."""
+
+    def __init__(self, scheduler: Scheduler, cost: StepCostModel | None = None) -> None:
         self.scheduler = scheduler
+        self.cost = cost
         self.batches: list[ScheduledBatch] = []
+        self.shapes: list[StepShape] = []
+        self.step_ms: list[float] = []
+
+    def shape(self, batch: ScheduledBatch) -> StepShape:
+        """The batch's shape as the engine sees it: one-token slices run on the decode path."""
+        prefill = decode_rows = decode_context = pairs = 0
+        for item in batch.requests:
+            start = self.scheduler.requests[item.request_id].num_computed_tokens
+            if item.num_new_tokens == 1:
+                decode_rows, decode_context = decode_rows + 1, decode_context + start + 1
+            else:
+                prefill += item.num_new_tokens
+                for position in range(start, start + item.num_new_tokens):
+                    pairs += position + 1  # causal: a token reads every key up to its own
+        return StepShape(prefill, decode_rows, decode_context, pairs)
 
     def step(self) -> ScheduledBatch:
         batch = self.scheduler.schedule()
         self.batches.append(batch)
+        self.shapes.append(self.shape(batch))
+        if self.cost is not None:
+            self.step_ms.append(self.cost.predict_ms(self.shapes[-1]))
         sampled = {}
         for item in batch.requests:
             if item.sample:

@@ -1,0 +1,139 @@
+"""Calibration: time a handful of engine steps of known shape and fit the StepCostModel.
+
+Run by `ifb build` at the end of a build (builder/calibrate.py) and by `ifb run --calibrate` at
+start, on the thread that will run the steps. The points span the engine's limits: decode-only
+steps (few / all rows, short / long context), prefill-only chunks (small / full, at the start
+and deep into a prompt) and a mixed step. The KV it writes is garbage over blocks nobody owns
+yet, so it must run before any request does.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ifb.runtime.engine_threads import run_on_engine_thread
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
+from ifb.runtime.step_cost_model import StepCostModel, StepShape
+
+logger = logging.getLogger(__name__)
+
+# Repeats per point: the median of many for small steps, which are cheap and which another
+# process on a shared 2-core machine slows at random (tiny engine, 5 repeats, load ~2: one fit
+# put the prefill-token cost at 0); two for a ~1 s full-size prefill (SmolLM2 fp32), so a
+# calibration stays near 15 s on a quiet machine (77 s measured at load 4-5, every step ~5x slower).
+_MIN_REPEATS = 2
+_MAX_REPEATS = 25
+_POINT_BUDGET_S = 0.5
+_NOISY_FIT = 0.5  # worst relative error of the fit above which the log says so
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationPoint:
+    """One timed step: a prefill chunk of `num_prefill_tokens` after `prefill_start` cached
+    tokens, beside `num_decode_rows` decodes that each read `decode_context` tokens."""
+
+    num_prefill_tokens: int = 0
+    prefill_start: int = 0
+    num_decode_rows: int = 0
+    decode_context: int = 0
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape(
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_rows=self.num_decode_rows,
+            num_decode_context_tokens=self.num_decode_rows * self.decode_context,
+            num_prefill_pairs=StepShape.prefill_pairs(self.prefill_start, self.num_prefill_tokens),
+        )
+
+
+def calibration_points(engine: Engine) -> list[CalibrationPoint]:
+    """About a dozen shapes inside the engine's limits (see the module docstring)."""
+    limits = engine.config.limits
+    tokens, batch, block = limits.max_num_tokens, limits.max_batch_size, limits.block_size
+    short = block
+    deep = max(block, min(limits.max_seq_len // 2, limits.max_seq_len - tokens) // block * block)
+    chunks = sorted({max(2, tokens // 8), max(2, tokens // 2), tokens})
+    rows = sorted({1, max(1, batch // 4), batch})
+    points = [CalibrationPoint(num_decode_rows=d, decode_context=c) for d in rows for c in (short, deep)]
+    points += [CalibrationPoint(num_prefill_tokens=p) for p in chunks]
+    points += [CalibrationPoint(num_prefill_tokens=p, prefill_start=deep) for p in chunks[:2]]
+    mixed = max(2, tokens - batch)
+    points.append(CalibrationPoint(num_prefill_tokens=mixed, num_decode_rows=batch, decode_context=short))
+    return [p for p in points if p.prefill_start + p.num_prefill_tokens <= limits.max_seq_len]
+
+
+def _slices(engine: Engine, point: CalibrationPoint) -> list[RequestSlice]:
+    """Block ids wrap around the pool: distinct where it allows, so decodes read distinct KV."""
+    limits = engine.config.limits
+    vocab = engine.config.spec.vocab_size
+    next_block = 0
+
+    def table(num_tokens: int) -> list[int]:
+        nonlocal next_block
+        count = -(-num_tokens // limits.block_size)
+        ids = [(next_block + i) % limits.num_kv_blocks for i in range(count)]
+        next_block += count
+        return ids
+
+    slices = []
+    if point.num_prefill_tokens:
+        end = point.prefill_start + point.num_prefill_tokens
+        ids = [(7 * i + 3) % vocab for i in range(point.num_prefill_tokens)]
+        slices.append(RequestSlice(ids, point.prefill_start, table(end), True))
+    for row in range(point.num_decode_rows):
+        slices.append(
+            RequestSlice([(11 * row + 5) % vocab], point.decode_context - 1, table(point.decode_context), True)
+        )
+    return slices
+
+
+def time_step_ms(engine: Engine, point: CalibrationPoint) -> float:
+    """Median of a few runs of one step (after one untimed run of the same shape)."""
+    inputs = build_step_inputs(_slices(engine, point), engine.config.limits.block_size)
+    engine.step(inputs)
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < _MAX_REPEATS and (len(times) < _MIN_REPEATS or time.perf_counter() - started < _POINT_BUDGET_S):
+        begin = time.perf_counter()
+        engine.step(inputs)
+        times.append(1000 * (time.perf_counter() - begin))
+    return statistics.median(times)
+
+
+def calibrate(engine: Engine) -> StepCostModel:
+    """Time `calibration_points(engine)` and fit the cost model to them."""
+    started = time.perf_counter()
+    samples = [(point.shape, time_step_ms(engine, point)) for point in calibration_points(engine)]
+    model = StepCostModel.fit(samples)
+    if model.max_relative_error > _NOISY_FIT:
+        logger.warning(
+            "the step cost model fits one calibration step only within %.0f%%: was the machine busy? "
+            "recalibrate with `ifb run --calibrate` when it is quiet",
+            100 * model.max_relative_error,
+        )
+    logger.info(
+        "calibrated the step cost in %.1f s over %d shapes: %.2f ms + %.4f ms/prefill token + %.3f ms/decode row "
+        "(worst fit error %.0f%%)",
+        time.perf_counter() - started,
+        len(samples),
+        model.base_ms,
+        model.per_prefill_token_ms,
+        model.per_decode_row_ms,
+        100 * model.max_relative_error,
+    )
+    return model
+
+
+def calibrate_on_engine_thread(engine_factory: Callable[[], Engine]) -> StepCostModel:
+    """Load an engine and calibrate it on a pooled engine thread, the one the executor reuses
+    next: torch work on the caller's thread would leave a second OpenMP team behind, and that
+    made every step ~1.8x slower (executor.py). The engine and its KV pool are freed after."""
+    fitted: list[StepCostModel] = []
+    run_on_engine_thread(lambda: fitted.append(calibrate(engine_factory()))).result()
+    return fitted[0]
