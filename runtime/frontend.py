@@ -112,6 +112,11 @@ class Frontend:
         )
         return PreparedRequest(request, compiled, seconds)
 
+    def close(self) -> None:
+        with self._grammar_lock:
+            if self._grammars is not None:
+                self._grammars.close()
+
     def grammar_compiler(self) -> GrammarCompiler:
         """Created on first use, so servers without guided requests never load xgrammar."""
         with self._grammar_lock:

@@ -192,6 +192,7 @@ class LLM:
 
     def close(self) -> None:
         self.executor.shutdown()
+        self.frontend.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> LLM:

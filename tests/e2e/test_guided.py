@@ -148,3 +148,18 @@ def test_a_finished_constraint_outranks_min_tokens(llm: LLM) -> None:
     params = SamplingParams(max_tokens=10, min_tokens=5, temperature=0, guided=GuidedDecoding.choice(["yes"]))
     (out,) = llm.generate([[5, 6]], params)
     assert out.finish_reason is FinishReason.STOP and out.text == "yes" and out.error is None
+
+
+def test_a_compile_past_its_timeout_is_cancelled(llm: LLM) -> None:
+    """The timed-out compile's worker process is killed (the compile stops) and later compiles
+    run on fresh workers."""
+    compiler = llm.frontend.grammar_compiler()
+    compiler.compile(GuidedDecoding.choice(["warm"]))  # workers up
+    workers = list(compiler._pool._processes.values())  # type: ignore[attr-defined]
+    with pytest.raises(AdmissionError, match="did not compile within"):
+        compiler.compile(GuidedDecoding.regex("[a-z]{1,40}@[a-z]{1,30}"), timeout_s=0.0)
+    for worker in workers:
+        worker.join(5)
+        assert not worker.is_alive()
+    compiled, _ = compiler.compile(GuidedDecoding.choice(["again"]))
+    assert compiled is not None
