@@ -61,11 +61,16 @@ def client_requests(
     ]
 
 
+def label(target: float | None) -> str:
+    return "default" if target is None else "off" if target == 0 else f"{target:g}"
+
+
 @contextmanager
-def server(engine: Path, target: float, max_batch_size: int, calibrate: bool) -> Iterator[str]:
+def server(engine: Path, target: float | None, max_batch_size: int, calibrate: bool) -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-m", "ifb.cli.main", "run", str(engine), "--port", str(port)]
-    command += ["--max-batch-size", str(max_batch_size), "--itl-target-ms", str(target), "--log-level", "warning"]
+    command += ["--max-batch-size", str(max_batch_size), "--log-level", "warning"]
+    command += [] if target is None else ["--itl-target-ms", str(target)]
     command += ["--calibrate"] if calibrate else []
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -131,13 +136,13 @@ def summary_row(timings: list[RequestTiming], wall_s: float) -> dict[str, float]
     return {key: row[key] for key in (*METRICS, "output_tokens_per_s", "failed")}
 
 
-def run_target(engine: Path, target: float, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def run_target(engine: Path, target: float | None, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     rows = {}
     seeds = seeds_workload(wave_gap_s=args.wave_gap, prompt_words=40 if args.quick else 200)
     if args.quick:
         seeds = [BenchRequest(r.arrival_s, r.prompt, min(r.max_tokens, 24)) for r in seeds]
     config = EngineConfig.load(engine, verify=False)
-    calibrate = target > 0 and config.cost_model is None
+    calibrate = (target is None or target > 0) and config.cost_model is None
     options = {"max_batch_size": 8, "itl_target_ms": target, "calibrate": calibrate}
     run = run_in_process(engine, "guaranteed_no_evict", seeds, options, 900, lambda n: None)
     rows["seeds"] = summary_row(run.timings, run.wall_s)
@@ -149,7 +154,7 @@ def run_target(engine: Path, target: float, args: argparse.Namespace) -> dict[st
     return rows
 
 
-def print_table(results: dict[float, dict[str, dict[str, float]]]) -> None:
+def print_table(results: dict[float | None, dict[str, dict[str, float]]]) -> None:
     print(
         f"{'workload':10s}{'target':>8s}"
         + "".join(f"{m.removesuffix('_s') + ' ms':>13s}" for m in METRICS)
@@ -159,11 +164,11 @@ def print_table(results: dict[float, dict[str, dict[str, float]]]) -> None:
         for target, rows in results.items():
             row = rows[workload]
             cells = "".join(f"{1000 * row[m]:13.0f}" for m in METRICS)
-            label = "off" if target == 0 else f"{target:g}"
-            print(f"{workload:10s}{label:>8s}{cells}{row['output_tokens_per_s']:8.1f}")
+            name = label(target)
+            print(f"{workload:10s}{name:>8s}{cells}{row['output_tokens_per_s']:8.1f}")
 
 
-def plot(results: dict[float, dict[str, dict[str, float]]], path: Path) -> None:
+def plot(results: dict[float | None, dict[str, dict[str, float]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,7 +180,7 @@ def plot(results: dict[float, dict[str, dict[str, float]]], path: Path) -> None:
         axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=workload)
         for ttft, itl, target in points:
             axes.annotate(
-                "off" if target == 0 else f"{target:g} ms",
+                label(target) + ("" if target is None or target == 0 else " ms"),
                 (ttft, itl),
                 fontsize=8,
                 xytext=(4, 4),
@@ -193,7 +198,9 @@ def plot(results: dict[float, dict[str, dict[str, float]]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", default=None)
-    parser.add_argument("--targets", default="0,100,200,400", help="ms; 0 = off")
+    parser.add_argument(
+        "--targets", default="0,default,100,200,400", help="ms; 0 = off; default = ifb's default (no flag)"
+    )
     parser.add_argument("--clients", default="8,32")
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--wave-gap", type=float, default=2.0)
@@ -202,10 +209,11 @@ def main() -> None:
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     engine = Path(args.engine or find_or_build_engine(None, BuildOptions(max_batch_size=32, max_num_tokens=512)))
-    results = {float(t): run_target(engine, float(t), args) for t in args.targets.split(",")}
+    targets = [None if t == "default" else float(t) for t in args.targets.split(",")]
+    results = {target: run_target(engine, target, args) for target in targets}
     print_table(results)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({f"{t:g}": rows for t, rows in results.items()}, indent=2))
+    args.output.write_text(json.dumps({label(t): rows for t, rows in results.items()}, indent=2))
     plot(results, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 

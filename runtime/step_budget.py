@@ -3,7 +3,9 @@
 `FixedBudget` gives prefill whatever the decodes leave of max_num_tokens (the engine's limit).
 `LatencyTargetBudget` gives the largest chunk whose predicted step time stays within an
 inter-token target, and at least one block so every prompt keeps moving (see
-scheduler_design.md). `make_step_budget` is the one place that chooses between them.
+scheduler_design.md). `RelativeTargetBudget` (the default) does the same with a target of a few
+times this step's own decode time, so the worst gap stays a fixed multiple of the typical one at
+any load. `make_step_budget` is the one place that chooses between them.
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ from ifb.runtime.step_cost_model import StepCostModel, StepShape
 
 logger = logging.getLogger(__name__)
 
-# The default target is this many times the predicted decode step of a full batch at
-# DEFAULT_TARGET_CONTEXT tokens each: decodes keep at least half of every step, and prefill
-# chunks fill the other half. Issue #17's SmolLM2 fp32 figures (decode steps 60-100 ms with 8-32
-# streams, ~1 s with a 512-token chunk) give a ~200 ms target and ~50-token chunks beside 32 rows.
-DEFAULT_TARGET_DECODE_MULTIPLE = 2.0
-DEFAULT_TARGET_CONTEXT = 256  # a typical chat turn's context
+# The default target is this many times the predicted decode-only time of the step being built.
+# A fixed target cannot serve every load: measured on SmolLM2 (bench/README.md), the median gap
+# is the decode step, 33 ms with 8 streams and 100-170 ms with 32, and ITL p99 <= 3x p50 needed
+# ~100 ms at 8 streams but ~200 ms at 32 (100 ms there cost 13% throughput and 12x the TTFT).
+# 2.5x leaves the prediction error (a few ms) room under 3x.
+DEFAULT_TARGET_DECODE_MULTIPLE = 2.5
+DEFAULT_TARGET_CONTEXT = 256  # a typical chat turn's context (for the absolute figure /health shows)
 
 
 class StepBudget(Protocol):
     @property
     def itl_target_ms(self) -> float | None: ...
+
+    @property
+    def itl_target_decode_multiple(self) -> float | None: ...
 
     @property
     def cost_model(self) -> StepCostModel | None: ...
@@ -49,6 +55,10 @@ class FixedBudget:
 
     @property
     def itl_target_ms(self) -> float | None:
+        return None
+
+    @property
+    def itl_target_decode_multiple(self) -> float | None:
         return None
 
     @property
@@ -75,11 +85,47 @@ class LatencyTargetBudget:
         return self._target_ms
 
     @property
+    def itl_target_decode_multiple(self) -> float | None:
+        return None
+
+    @property
     def cost_model(self) -> StepCostModel | None:
         return self._cost_model
 
     def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
         fits = self._cost_model.max_prefill_tokens(self._target_ms, decode, prefill_start)
+        return min(token_budget, max(self.min_chunk_tokens, fits))
+
+    def predict_ms(self, shape: StepShape) -> float | None:
+        return self._cost_model.predict_ms(shape)
+
+
+class RelativeTargetBudget:
+    """The largest prefill chunk that keeps the predicted step within `multiple` x this step's
+    own decode time (>= min_chunk); a step with no decodes streams to nobody and takes it all."""
+
+    def __init__(self, cost_model: StepCostModel, multiple: float, min_chunk_tokens: int) -> None:
+        self._cost_model = cost_model
+        self._multiple = multiple
+        self.min_chunk_tokens = min_chunk_tokens
+
+    @property
+    def itl_target_ms(self) -> float | None:
+        return None  # it moves with the batch: see itl_target_decode_multiple
+
+    @property
+    def itl_target_decode_multiple(self) -> float | None:
+        return self._multiple
+
+    @property
+    def cost_model(self) -> StepCostModel | None:
+        return self._cost_model
+
+    def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
+        if decode.num_decode_rows == 0:
+            return token_budget
+        target = self._multiple * self._cost_model.predict_ms(decode)
+        fits = self._cost_model.max_prefill_tokens(target, decode, prefill_start)
         return min(token_budget, max(self.min_chunk_tokens, fits))
 
     def predict_ms(self, shape: StepShape) -> float | None:
@@ -116,8 +162,9 @@ def default_itl_target_ms(cost_model: StepCostModel, max_batch_size: int) -> flo
 def make_step_budget(
     itl_target_ms: float | None, cost_model: StepCostModel | None, max_batch_size: int, block_size: int
 ) -> StepBudget:
-    """`itl_target_ms`: None = the default from the cost model (fixed if there is none), 0 = off
-    (fixed), > 0 = that target, which needs a cost model."""
+    """`itl_target_ms`: None = the default, a target of DEFAULT_TARGET_DECODE_MULTIPLE x each
+    step's decode time (fixed if the engine has no cost model), 0 = off (fixed), > 0 = that
+    absolute target, which needs a cost model."""
     if itl_target_ms == 0 or (itl_target_ms is None and cost_model is None):
         if cost_model is None:
             logger.info("no step cost model (engine built before calibration): no inter-token latency target")
@@ -128,6 +175,12 @@ def make_step_budget(
             "(built before calibration existed); calibrate at start (`ifb run --calibrate`, LLM(..., "
             "calibrate=True)) or rebuild the engine"
         )
-    target = default_itl_target_ms(cost_model, max_batch_size) if itl_target_ms is None else itl_target_ms
-    logger.info("inter-token latency target %.1f ms%s", target, " (the default)" if itl_target_ms is None else "")
-    return LatencyTargetBudget(cost_model, target, block_size)
+    if itl_target_ms is None:
+        logger.info(
+            "inter-token latency target: %.1fx each step's decode time (%.1f ms for a full batch)",
+            DEFAULT_TARGET_DECODE_MULTIPLE,
+            default_itl_target_ms(cost_model, max_batch_size),
+        )
+        return RelativeTargetBudget(cost_model, DEFAULT_TARGET_DECODE_MULTIPLE, block_size)
+    logger.info("inter-token latency target %.1f ms", itl_target_ms)
+    return LatencyTargetBudget(cost_model, itl_target_ms, block_size)

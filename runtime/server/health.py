@@ -37,6 +37,7 @@ def step_budget_block(budget: StepBudget) -> dict[str, Any]:
     model = budget.cost_model
     return {
         "itl_target_ms": budget.itl_target_ms,
+        "itl_target_decode_multiple": budget.itl_target_decode_multiple,
         "cost_model": None if model is None else model.to_json(),
     }
 

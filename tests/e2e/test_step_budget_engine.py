@@ -13,7 +13,7 @@ from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.executor import StepRecord
 from ifb.runtime.server.health import health_body
 from ifb.runtime.server.metrics import Metrics
-from ifb.runtime.step_budget import FixedBudget, LatencyTargetBudget
+from ifb.runtime.step_budget import FixedBudget, LatencyTargetBudget, RelativeTargetBudget
 from ifb.runtime.step_cost_model import StepCostModel, StepShape
 from ifb.runtime.trace import TraceRecorder
 
@@ -72,7 +72,7 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
     for target in (cost_model.base_ms / 2, None):
         with LLM(tiny_llama_engine, itl_target_ms=target) as llm:
             budget = llm.executor.scheduler.step_budget
-            assert isinstance(budget, LatencyTargetBudget) and budget.itl_target_ms
+            assert isinstance(budget, LatencyTargetBudget if target else RelativeTargetBudget)
             steps: list[StepRecord] = []
             llm.executor.step_listeners.append(steps.append)
             metrics = Metrics(llm)
@@ -83,7 +83,11 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
         assert all(s.predicted_ms is not None and s.predicted_ms > 0 for s in steps)
         if target is not None:
             assert max(s.num_tokens for s in steps) <= BLOCK + 8
-        assert health["step_budget"] == {"itl_target_ms": budget.itl_target_ms, "cost_model": cost_model.to_json()}
+        assert health["step_budget"] == {
+            "itl_target_ms": budget.itl_target_ms,
+            "itl_target_decode_multiple": budget.itl_target_decode_multiple,
+            "cost_model": cost_model.to_json(),
+        }
         count = metrics.registry.get_sample_value("ifb:step_time_prediction_error_ratio_count")
         assert count == len(steps)
         counters = [e for e in trace.events if e["ph"] == "C" and e["name"] == "step_ms"]

@@ -14,8 +14,10 @@ from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.request import Request
 from ifb.runtime.scheduler import Scheduler
 from ifb.runtime.step_budget import (
+    DEFAULT_TARGET_DECODE_MULTIPLE,
     FixedBudget,
     LatencyTargetBudget,
+    RelativeTargetBudget,
     StepBudget,
     default_itl_target_ms,
     make_step_budget,
@@ -262,15 +264,28 @@ def test_off_reproduces_the_fixed_budget_chunks_exactly() -> None:
 def test_factory_chooses_by_target_and_model() -> None:
     assert isinstance(make_step_budget(None, None, 8, BLOCK), FixedBudget)
     default = make_step_budget(None, MODEL, 8, BLOCK)
-    assert isinstance(default, LatencyTargetBudget)
-    assert (
-        default.itl_target_ms
-        == default_itl_target_ms(MODEL, 8)
-        == pytest.approx(2 * (30 + 8 * 1.5 + 0.002 * 8 * 256), abs=0.1)
-    )
+    assert isinstance(default, RelativeTargetBudget)
+    assert default.itl_target_ms is None and default.itl_target_decode_multiple == DEFAULT_TARGET_DECODE_MULTIPLE
+    assert default_itl_target_ms(MODEL, 8) == pytest.approx(2.5 * (30 + 8 * 1.5 + 0.002 * 8 * 256), abs=0.1)
     assert make_step_budget(250.0, MODEL, 8, BLOCK).itl_target_ms == 250.0
     off = make_step_budget(0, MODEL, 8, BLOCK)
     assert off.itl_target_ms is None and off.cost_model is MODEL
     assert off.predict_ms(StepShape(num_decode_rows=1, num_decode_context_tokens=10)) == pytest.approx(31.52)
     with pytest.raises(LimitExceededError, match="itl_target_ms 100.0 needs .* --calibrate"):
         make_step_budget(100.0, None, 8, BLOCK)
+
+
+def test_the_default_target_follows_the_batch() -> None:
+    """2.5x this step's decode time: few decodes leave a small chunk, many a larger one, none
+    (nobody streams) the whole budget; predicted steps stay within the multiple."""
+    budget = RelativeTargetBudget(MODEL, 2.5, BLOCK)
+    few = StepShape(num_decode_rows=2, num_decode_context_tokens=2 * 256)
+    many = StepShape(num_decode_rows=32, num_decode_context_tokens=32 * 256)
+    small, large = budget.prefill_token_budget(512, few, 0), budget.prefill_token_budget(512, many, 0)
+    assert BLOCK <= small < large <= 512
+    assert budget.prefill_token_budget(512, StepShape(), 0) == 512
+    for decode, chunk in ((few, small), (many, large)):
+        step = StepShape(
+            chunk, decode.num_decode_rows, decode.num_decode_context_tokens, StepShape.prefill_pairs(0, chunk)
+        )
+        assert MODEL.predict_ms(step) <= 2.5 * MODEL.predict_ms(decode) + 1e-6 or chunk == BLOCK
