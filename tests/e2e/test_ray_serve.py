@@ -102,6 +102,12 @@ def test_shared_prefix_requests_land_on_one_replica(base_url: str) -> None:
 
 def test_load_spreads_when_prefixes_differ(base_url: str) -> None:
     """Concurrent requests with unrelated prompts go to both replicas (power of two choices)."""
+
+    def idle_everywhere() -> bool:  # reported loads are up to a report period old: start from idle
+        reported = health(base_url)["replicas"].values()
+        return all(r["scheduling"]["resident"] + r["scheduling"]["queued"] == 0 for r in reported if "scheduling" in r)
+
+    wait_for(idle_everywhere, REPORT_WAIT_S, "idle replicas")
     before = per_replica(base_url, "scheduling", "submitted")
     prompts = [[30 + 17 * i + j for j in range(20)] for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
