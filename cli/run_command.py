@@ -19,7 +19,7 @@ from ifb.runtime.engine_format import DTYPE_ALIASES, ENGINE_JSON, EngineConfig
 from ifb.runtime.errors import IfbError
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.runtime_config import RuntimeSettings
-from ifb.runtime.step_budget import DEFAULT_TARGET_DECODE_MULTIPLE
+from ifb.runtime.step_budget import DEFAULT_TARGET_DECODE_MULTIPLE, DEFAULT_TARGET_FLOOR_MS
 
 if TYPE_CHECKING:
     from ifb.llm import LLM
@@ -226,9 +226,9 @@ def _serve(llm: LLM, host: str, port: int, log_level: str, **app_options: Any) -
     default=None,
     help="Inter-token latency target: each step's prefill chunk is the largest whose predicted step time "
     "(the engine's cost model) stays under it, and at least one block, so streams never stall behind a "
-    f"long prompt. Default: {DEFAULT_TARGET_DECODE_MULTIPLE:g}x each step's own predicted decode time, so the "
-    "worst gap stays a fixed multiple of the typical one at any load (/health shows it); off for an engine "
-    "without a cost model. 0 = off: every step may take --max-num-tokens.",
+    f"long prompt. Default: {DEFAULT_TARGET_DECODE_MULTIPLE:g}x each step's own predicted decode time, at least "
+    f"{DEFAULT_TARGET_FLOOR_MS:g} ms, so the worst gap stays a small multiple of the typical one at any load "
+    "(/health shows it); off for an engine without a cost model. 0 = off: every step may take --max-num-tokens.",
 )
 @click.option(
     "--calibrate",
