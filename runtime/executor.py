@@ -159,8 +159,7 @@ class Executor:
                         time.sleep(0.001)  # only waiting requests that cannot start yet
                     self._publish()
                     continue
-                self._step(batch)
-                self._publish()
+                self._step(batch)  # publishes the snapshot itself, before the step's deltas
                 self._maybe_log_summary()
         except BaseException as error:  # the loop itself broke: every entry point must see it
             self._fatal_error = repr(error)
@@ -226,6 +225,7 @@ class Executor:
             logger.exception("engine step failed; failing its %d requests", len(requests))
             for request in requests:
                 self._fail(request, f"engine step failed: {error}")
+            self._publish()
             return
         samples = self._sample(logits, rows, bitmask) if rows else []
         self._take_inbox(block=False)  # aborts that arrived during the step, before the update
