@@ -4,9 +4,10 @@
 
 For M = 1, 8, 32 and 512 rows, runs every linear of one model step (30 layers of qkv, o,
 gate_up, down in Q4_1, then the Q8_0 lm_head) with distinct weights per layer, so weights
-stream from memory as in a real step, and prints the ms of our kernel and of F.linear on the
+stream from memory as in a real step, and prints the ms of our exact kernel (fp32 activations),
+of the `--compute int8` kernel (int8 activations, integer dots) and of F.linear on the
 dequantized fp32 weights, measured in the same run, plus the weight-read floor
-(block bytes / bandwidth) and the fraction of it our kernel reaches.
+(block bytes / bandwidth) and the fraction of it the exact kernel reaches.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Linear:
     """One weight in both forms: packed blocks for our kernel, dequantized fp32 for torch."""
 
     packed: torch.Tensor
+    packed_int8: torch.Tensor
     dense: torch.Tensor
     fmt: WeightFormat
 
@@ -53,7 +55,9 @@ class Linear:
 def make_linear(n: int, k: int, fmt: WeightFormat, seed: int) -> Linear:
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     blocks = quantize(weight, fmt)
-    return Linear(quant_ops.pack(blocks, fmt, n, k), dequantize(blocks, fmt), fmt)
+    return Linear(
+        quant_ops.pack(blocks, fmt, n, k), quant_ops.pack_int8(blocks, fmt, n, k), dequantize(blocks, fmt), fmt
+    )
 
 
 def model_linears() -> list[Linear]:
@@ -79,11 +83,13 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run_step(linears: list[Linear], inputs: dict[int, torch.Tensor], ours: bool) -> None:
+def run_step(linears: list[Linear], inputs: dict[int, torch.Tensor], kernel: str) -> None:
     for lin in linears:
         x = inputs[lin.k]
-        if ours:
+        if kernel == "exact":
             quant_ops.quant_linear(x, lin.packed, lin.fmt, lin.n, lin.k)
+        elif kernel == "int8":
+            quant_ops.quant_linear_int8(x, lin.packed_int8, lin.fmt, lin.n, lin.k)
         else:
             F.linear(x, lin.dense)
 
@@ -103,13 +109,17 @@ def main() -> None:
     floor_ms = block_bytes_read(linears) / (args.bandwidth_gbs * 1e9) * 1e3
     print(f"ISA path: {isa}; threads: {args.threads}; block bytes per step: {block_bytes_read(linears) / 1e6:.1f} MB")
     print(f"weight-read floor at {args.bandwidth_gbs:.0f} GB/s: {floor_ms:.2f} ms")
-    print(f"{'M':>5} {'ours ms':>9} {'fp32 F.linear ms':>17} {'speedup':>8} {'floor/ours':>11}")
+    print(f"{'M':>5} {'exact ms':>9} {'int8 ms':>8} {'fp32 F.linear ms':>17} {'exact/int8':>10} {'F.linear/exact':>14} {'floor/exact':>11}")
     for rows in ROWS:
         inputs = {k: torch.randn(rows, k) for k in {lin.k for lin in linears}}
         repeats = max(2, args.repeats // 2) if rows >= 512 else args.repeats
-        ours = median_ms(partial(run_step, linears, inputs, True), repeats)
-        dense = median_ms(partial(run_step, linears, inputs, False), repeats)
-        print(f"{rows:>5} {ours:>9.2f} {dense:>17.2f} {dense / ours:>7.2f}x {floor_ms / ours:>10.0%}")
+        ours = median_ms(partial(run_step, linears, inputs, "exact"), repeats)
+        int8 = median_ms(partial(run_step, linears, inputs, "int8"), repeats)
+        dense = median_ms(partial(run_step, linears, inputs, "dense"), repeats)
+        print(
+            f"{rows:>5} {ours:>9.2f} {int8:>8.2f} {dense:>17.2f} {ours / int8:>9.2f}x {dense / ours:>13.2f}x"
+            f" {floor_ms / ours:>10.0%}"
+        )
 
 
 if __name__ == "__main__":

@@ -27,22 +27,26 @@ import torch
 from torch.utils import cpp_extension
 
 _CSRC = Path(__file__).parent / "csrc"
+# Torch-free kernel translation units, compiled with the ISA flags.
+KERNEL_SOURCES = ("quant_matmul", "quant_matmul_int8")
 _REBUILD_HINT = "rebuild the engine on this machine with `ifb build`"
 
 
 class QuantIsa(str, Enum):
     """The instruction-set path compiled into the library."""
 
+    AVX512_VNNI = "avx512_vnni"  # AVX-512 plus vpdpbusd for the int8 compute mode
     AVX512 = "avx512"
     AVX2 = "avx2"
 
 
 # /proc/cpuinfo flag names each path needs, and the g++ flags that enable exactly those.
 _ISA_FEATURES = {
+    QuantIsa.AVX512_VNNI: ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
     QuantIsa.AVX512: ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
     QuantIsa.AVX2: ("avx2", "fma", "f16c"),
 }
-_GCC_FLAG = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl"}
+_GCC_FLAG = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni"}
 
 
 class QuantLibraryError(RuntimeError):
@@ -77,7 +81,7 @@ def cpu_features() -> frozenset[str]:
 
 def best_isa(features: frozenset[str]) -> QuantIsa:
     """The fastest path this CPU runs; refuses CPUs without the AVX2+FMA+F16C baseline."""
-    for isa in (QuantIsa.AVX512, QuantIsa.AVX2):
+    for isa in (QuantIsa.AVX512_VNNI, QuantIsa.AVX512, QuantIsa.AVX2):
         if set(_ISA_FEATURES[isa]) <= features:
             return isa
     missing = sorted(set(_ISA_FEATURES[QuantIsa.AVX2]) - features)
@@ -90,7 +94,10 @@ def _isa_flags(isa: QuantIsa) -> list[str]:
 
 def _compile_commands(isa: QuantIsa, out: Path) -> tuple[list[list[str]], list[str]]:
     common = ["g++", "-O3", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", "-c"]
-    kernel = [*common, "-std=c++17", *_isa_flags(isa), str(_CSRC / "quant_matmul.cpp"), "-o", str(out / "kernel.o")]
+    kernels = [
+        [*common, "-std=c++17", *_isa_flags(isa), str(_CSRC / f"{name}.cpp"), "-o", str(out / f"{name}.o")]
+        for name in KERNEL_SOURCES
+    ]
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     # -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in ATen's headers; without
@@ -98,9 +105,10 @@ def _compile_commands(isa: QuantIsa, out: Path) -> tuple[list[list[str]], list[s
     binding = [*common, "-std=c++20", "-fopenmp", abi, *includes, str(_CSRC / "quant_binding.cpp")]
     binding += ["-o", str(out / "binding.o")]
     library_dir = cpp_extension.library_paths()[0]
-    link = ["g++", "-shared", "-fopenmp", "-Wl,-Bsymbolic", str(out / "kernel.o"), str(out / "binding.o")]
+    objects = [str(out / f"{name}.o") for name in KERNEL_SOURCES]
+    link = ["g++", "-shared", "-fopenmp", "-Wl,-Bsymbolic", *objects, str(out / "binding.o")]
     link += [f"-L{library_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{library_dir}", "-o"]
-    return [kernel, binding], link
+    return [*kernels, binding], link
 
 
 def _run(commands: list[list[str]]) -> None:

@@ -33,6 +33,7 @@ TILE_COLUMNS = 16
 
 _LIBRARY = torch.library.Library("ifb_quant", "DEF")
 _LIBRARY.define("quant_matmul(Tensor x, Tensor packed, str format, int n, int k) -> Tensor")
+_LIBRARY.define("quant_matmul_int8(Tensor x, Tensor packed, str format, int n, int k) -> Tensor")
 _LIBRARY.define("quant_dequantize(Tensor packed, str format, int n, int k) -> Tensor")
 
 # The shim's C declaration: AOTInductor emits `extern` + this and calls it for the op.
@@ -41,14 +42,26 @@ QUANT_MATMUL_SHIM = (
     "int64_t n, int64_t k, AtenTensorHandle* ret0)"
 )
 
+QUANT_MATMUL_INT8_SHIM = QUANT_MATMUL_SHIM.replace("quant_matmul(", "quant_matmul_int8(")
+
 
 def aoti_configs() -> dict[str, object]:
-    """The inductor_configs entries that make AOTInductor call quant_matmul through its C shim."""
-    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.ifb_quant.quant_matmul.default: [QUANT_MATMUL_SHIM]}}
+    """The inductor_configs entries that make AOTInductor call the matmul ops through their C shims."""
+    shims = {
+        torch.ops.ifb_quant.quant_matmul.default: [QUANT_MATMUL_SHIM],
+        torch.ops.ifb_quant.quant_matmul_int8.default: [QUANT_MATMUL_INT8_SHIM],
+    }
+    return {"aot_inductor.custom_ops_to_c_shims": shims}
 
 
 @torch.library.register_fake("ifb_quant::quant_matmul")
 def _quant_matmul_fake(x: torch.Tensor, packed: torch.Tensor, format: str, n: int, k: int) -> torch.Tensor:
+    torch._check(x.shape[-1] == k)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake("ifb_quant::quant_matmul_int8")
+def _quant_matmul_int8_fake(x: torch.Tensor, packed: torch.Tensor, format: str, n: int, k: int) -> torch.Tensor:
     torch._check(x.shape[-1] == k)
     return x.new_empty((*x.shape[:-1], n))
 
@@ -61,6 +74,11 @@ def _quant_dequantize_fake(packed: torch.Tensor, format: str, n: int, k: int) ->
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """x [..., k] fp32 @ W[n, k]^T with W packed by `pack`; needs the library loaded."""
     return torch.ops.ifb_quant.quant_matmul(x, packed, fmt.value, n, k)
+
+
+def quant_linear_int8(x: torch.Tensor, packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
+    """`--compute int8`: x quantized per row and 32-block to int8, W packed by `pack_int8`."""
+    return torch.ops.ifb_quant.quant_matmul_int8(x, packed, fmt.value, n, k)
 
 
 def kernel_dequantize(packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
@@ -89,6 +107,32 @@ def _tile_block(blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
 
 def pack(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """GGUF rows of blocks uint8 [n, k/32 * block_bytes] -> the kernel's tile layout."""
+    tiles = _tiles(blocks, fmt, n, k)
+    return _tile_block(tiles, fmt).reshape(tiles.shape[0], -1).contiguous()
+
+
+def _tile_block_int8(blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """[T, nb, 16 cols, block_bytes] GGUF blocks -> [T, nb, 16 * block_bytes] int8-mode tile-blocks.
+
+    Scales as in `_tile_block`; quants in 64-byte groups with one 4-byte lane per column
+    (quant_matmul_int8.cpp): Q4 group g lane byte b = w[8g+b] | w[8g+4+b] << 4, Q8 = w[4g+b].
+    """
+    scale_bytes = 4 if fmt is WeightFormat.Q4_1 else 2
+    scales = blocks[..., :scale_bytes]
+    fields = [scales[..., 2 * i : 2 * i + 2].flatten(-2) for i in range(scale_bytes // 2)]
+    quants = blocks[..., scale_bytes:]
+    lead = quants.shape[:-2]
+    if fmt is WeightFormat.Q8_0:
+        lanes = quants.reshape(*lead, TILE_COLUMNS, 8, 4)  # [.., col, g, b]
+    else:
+        values = torch.cat([quants & 0x0F, quants >> 4], dim=-1).reshape(*lead, TILE_COLUMNS, 4, 8)
+        lanes = values[..., :4] | (values[..., 4:] << 4)  # [.., col, g, b]
+    fields.append(lanes.transpose(-3, -2).flatten(-3))  # [.., g, col, b]
+    return torch.cat(fields, dim=-1)
+
+
+def _tiles(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
+    """GGUF rows of blocks -> [tiles, nb, 16 cols, block_bytes], N padded with zero blocks."""
     size = block_bytes(fmt)
     num_blocks = k // BLOCK_SIZE
     if k % BLOCK_SIZE or blocks.shape != (n, num_blocks * size) or blocks.dtype != torch.uint8:
@@ -96,8 +140,31 @@ def pack(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tenso
     tiles = num_tiles(n)
     padded = blocks.new_zeros((tiles * TILE_COLUMNS, num_blocks * size))
     padded[:n] = blocks
-    grouped = padded.reshape(tiles, TILE_COLUMNS, num_blocks, size).transpose(1, 2)
-    return _tile_block(grouped, fmt).reshape(tiles, -1).contiguous()
+    return padded.reshape(tiles, TILE_COLUMNS, num_blocks, size).transpose(1, 2)
+
+
+def pack_int8(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
+    """GGUF rows of blocks uint8 [n, k/32 * block_bytes] -> the int8-compute kernel's tiles
+    (same shape as `pack`'s, the same bytes rearranged)."""
+    tiles = _tiles(blocks, fmt, n, k)
+    return _tile_block_int8(tiles, fmt).reshape(tiles.shape[0], -1).contiguous()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (int8 values [M, K], scales [M, K/32]) as the int8 kernel quantizes:
+    d = max|x| / 127 per 32-block, q = round-half-even(x * (1 / d))."""
+    blocks = x.to(torch.float32).reshape(x.shape[0], -1, BLOCK_SIZE)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(blocks * inverse)
+    return q.reshape(x.shape).to(torch.int8), d.squeeze(-1)
+
+
+def reference_matmul_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """What the int8 kernel computes, in float64: quantized x @ dequantize(blocks)^T."""
+    q, d = quantize_activations(x.reshape(-1, x.shape[-1]))
+    x_hat = (q.to(torch.float64).reshape(q.shape[0], -1, BLOCK_SIZE) * d.to(torch.float64)[..., None])
+    return x_hat.reshape(q.shape) @ dequantize(blocks, fmt).to(torch.float64).T
 
 
 def reference_matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:

@@ -59,6 +59,39 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& packed, c10::stri
   return y;
 }
 
+// --compute int8: quantize each row of x per 32-block (rows in parallel; each row alone), then
+// the integer-dot kernel over column tiles.
+at::Tensor quant_matmul_int8(const at::Tensor& x, const at::Tensor& packed, c10::string_view format_name, int64_t n,
+                             int64_t k) {
+  const Format format = parse_format(format_name);
+  check_packed(packed, format, n, k);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == k,
+              "ifb_quant: x must be a CPU float32 tensor [..., ", k, "], got ", x.sizes());
+  const at::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t m = rows.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (m == 0) return y;
+  const int64_t num_blocks = k / kBlockSize;
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({m, num_blocks}, x.options());
+  at::Tensor sums = at::empty({m, num_blocks}, x.options().dtype(at::kInt));
+  at::Tensor scaled_sums = at::empty({m, num_blocks}, x.options());
+  const Int8Activations activations{xq.mutable_data_ptr<int8_t>(), k, scales.mutable_data_ptr<float>(),
+                                    sums.mutable_data_ptr<int32_t>(), scaled_sums.mutable_data_ptr<float>(),
+                                    num_blocks};
+  at::parallel_for(0, m, std::max<int64_t>(1, 4096 / k), [&](int64_t begin, int64_t end) {
+    quantize_rows_int8(rows.const_data_ptr<float>(), k, k, begin, end, activations);
+  });
+  const Int8Problem problem{xq.const_data_ptr<int8_t>(), k, scales.const_data_ptr<float>(),
+                            sums.const_data_ptr<int32_t>(), scaled_sums.const_data_ptr<float>(), num_blocks,
+                            packed.const_data_ptr<uint8_t>(), y.mutable_data_ptr<float>(), n, m, n, k, format};
+  at::parallel_for(0, num_tiles(n), grain_tiles(m, k),
+                   [&](int64_t begin, int64_t end) { run_tiles_int8(problem, begin, end); });
+  return y;
+}
+
 at::Tensor quant_dequantize(const at::Tensor& packed, c10::string_view format_name, int64_t n, int64_t k) {
   const Format format = parse_format(format_name);
   check_packed(packed, format, n, k);
@@ -74,6 +107,7 @@ at::Tensor quant_dequantize(const at::Tensor& packed, c10::string_view format_na
 
 TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) {
   m.impl("quant_matmul", &ifb_quant::quant_matmul);
+  m.impl("quant_matmul_int8", &ifb_quant::quant_matmul_int8);
   m.impl("quant_dequantize", &ifb_quant::quant_dequantize);
 }
 
@@ -89,5 +123,18 @@ IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_matmul(AtenTensorHandle x, AtenTe
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
   });
 }
+
+IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_matmul_int8(AtenTensorHandle x, AtenTensorHandle packed,
+                                                            const char* format, int64_t n, int64_t k,
+                                                            AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor y = ifb_quant::quant_matmul_int8(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
+                                                *torch::aot_inductor::tensor_handle_to_tensor_pointer(packed),
+                                                format, n, k);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
+  });
+}
+
+IFB_EXPORT const char* ifb_quant_int8_dot_path() { return ifb_quant::int8_dot_path(); }
 
 IFB_EXPORT const char* ifb_quant_isa_name() { return ifb_quant::isa_name(); }

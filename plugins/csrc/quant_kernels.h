@@ -40,6 +40,42 @@ void run_tiles(const Problem& problem, int64_t tile_begin, int64_t tile_end);
 void dequantize_tiles(const uint8_t* packed, Format format, int64_t n, int64_t k, float* out,
                       int64_t tile_begin, int64_t tile_end);
 
+// --compute int8: activations quantized per row and per 32-block (quant_matmul_int8.cpp).
+struct Int8Activations {
+  int8_t* xq;             // [m, k]
+  int64_t xq_row_stride;
+  float* x_scales;        // [m, k / 32]: d_x
+  int32_t* x_sums;        // [m, k / 32]: sum of the block's int8 values
+  float* x_scaled_sums;   // [m, k / 32]: d_x * sum
+  int64_t blocks_row_stride;
+};
+
+struct Int8Problem {
+  const int8_t* xq;
+  int64_t xq_row_stride;
+  const float* x_scales;
+  const int32_t* x_sums;
+  const float* x_scaled_sums;
+  int64_t blocks_row_stride;
+  const uint8_t* packed;  // plugins/quant_ops.py::pack_int8 layout
+  float* y;
+  int64_t y_row_stride;
+  int64_t m;
+  int64_t n;
+  int64_t k;
+  Format format;
+};
+
+// Quantizes rows [row_begin, row_end) of x [*, k] into `out` (each row independently).
+void quantize_rows_int8(const float* x, int64_t x_row_stride, int64_t k, int64_t row_begin, int64_t row_end,
+                        const Int8Activations& out);
+
+// The int8-compute counterpart of run_tiles: output columns of tiles [tile_begin, tile_end).
+void run_tiles_int8(const Int8Problem& problem, int64_t tile_begin, int64_t tile_end);
+
+// "vnni" or "maddubs": how the int8 path forms its integer dot products.
+const char* int8_dot_path();
+
 // "avx512" or "avx2": the path this library was compiled for.
 const char* isa_name();
 

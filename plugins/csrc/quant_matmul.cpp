@@ -33,7 +33,11 @@ namespace ifb_quant {
 namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__)
+constexpr const char* kIsa = "avx512_vnni";  // only the int8 compute mode uses VNNI
+#else
 constexpr const char* kIsa = "avx512";
+#endif
 // 12 rows x 2 tiles = 24 accumulators of the 32 zmm registers.
 constexpr int kPanelTiles = 2;
 constexpr int kPanelRows = 12;

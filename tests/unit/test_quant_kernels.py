@@ -27,7 +27,8 @@ from ifb.plugins.quant_build import (
     cpu_features,
     load_quant_library,
 )
-from ifb.plugins.quant_formats import WeightFormat, block_bytes, dequantize, quantize
+from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
+from quant_cases import random_blocks, random_x
 
 FORMATS = [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0]
 _GGUF_TYPE = {
@@ -50,23 +51,6 @@ def two_threads() -> Iterator[None]:
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
-
-
-def random_blocks(n: int, k: int, fmt: WeightFormat, seed: int) -> torch.Tensor:
-    """Random quant bytes with finite fp16 scales (some zero, some subnormal) in GGUF layout."""
-    generator = torch.Generator().manual_seed(seed)
-    size = block_bytes(fmt)
-    blocks = torch.randint(0, 256, (n * k // 32, size), dtype=torch.uint8, generator=generator)
-    num_scales = 2 if fmt is WeightFormat.Q4_1 else 1
-    scales = torch.randn(n * k // 32, num_scales, generator=generator) * 0.05
-    scales[::7] = 0.0
-    scales[1::11] = 3e-7  # fp16 subnormal
-    blocks[:, : 2 * num_scales] = scales.to(torch.float16).view(torch.uint8)
-    return blocks.reshape(n, -1)
-
-
-def random_x(m: int, k: int, seed: int) -> torch.Tensor:
-    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
 
 
 def gguf_dequantize(blocks: torch.Tensor, fmt: WeightFormat) -> np.ndarray:

@@ -1,0 +1,140 @@
+"""The `--compute int8` kernel: int8 activations x GGUF blocks with integer dot products.
+
+Pins: the result is within fp32 rounding of a float64 product of the quantized activations and
+the exact weights (so the packing and the integer arithmetic are right for every format and odd
+shape); a row's bits do not depend on M, its position or the thread count; the AVX2 and the
+AVX-512-without-VNNI builds (maddubs) give the VNNI build's exact bits.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ifb.plugins import quant_ops
+from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
+from ifb.plugins.quant_formats import BLOCK_SIZE, WeightFormat, dequantize, quantize
+from quant_cases import random_blocks, random_x
+
+FORMATS = [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0]
+
+
+@pytest.fixture(scope="module")
+def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
+    library = build_quant_library(tmp_path_factory.mktemp("quant-lib-int8"))
+    load_quant_library(library.path, library.required_features)
+    return library
+
+
+def int8_matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: WeightFormat, threads: int = 2) -> torch.Tensor:
+    n, k = blocks.shape[0], x.shape[-1]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return quant_ops.quant_linear_int8(x, quant_ops.pack_int8(blocks, fmt, n, k), fmt, n, k)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_activation_quantization_round_trips_within_half_a_step() -> None:
+    """q * d is within d/2 of x, the block's peak maps to +-127, an all-zero block stays zero."""
+    x = random_x(3, 96, seed=1)
+    x[1, 32:64] = 0.0
+    q, d = quant_ops.quantize_activations(x)
+    blocks = x.reshape(3, -1, BLOCK_SIZE)
+    restored = q.to(torch.float32).reshape(3, -1, BLOCK_SIZE) * d[..., None]
+    assert bool(((restored - blocks).abs() <= d[..., None] / 2 + 1e-7).all())
+    assert bool((q.reshape(3, -1, BLOCK_SIZE).abs().amax(-1)[d > 0] == 127).all())
+    assert d[1, 1] == 0 and not q.reshape(3, -1, BLOCK_SIZE)[1, 1].any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 96), (40, 608), (100, 64)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 13, 64])
+def test_matmul_matches_the_quantized_reference(
+    quant_library: QuantLibrary, fmt: WeightFormat, n: int, k: int, m: int
+) -> None:
+    blocks = random_blocks(n, k, fmt, seed=n + k)
+    x = random_x(m, k, seed=m)
+    x[0, :BLOCK_SIZE] = 0.0  # a zero activation block (d = 0)
+    y = int8_matmul(x, blocks, fmt)
+    reference = quant_ops.reference_matmul_int8(x, blocks, fmt)
+    q, d = quant_ops.quantize_activations(x)
+    x_hat = (q.to(torch.float64).reshape(m, -1, BLOCK_SIZE) * d.to(torch.float64)[..., None]).reshape(m, k)
+    # Per block: one rounding of d_w * d_x, one of the fma (two for Q4_1); the integer dot is exact.
+    bound = 4 * (k // BLOCK_SIZE + 2) * 2.0**-24 * (x_hat.abs() @ dequantize(blocks, fmt).abs().to(torch.float64).T)
+    error = (y.to(torch.float64) - reference).abs()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert bool((error <= bound + 1e-30).all()), f"max error {error.max().item():.3g}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_is_close_to_the_exact_product(quant_library: QuantLibrary, fmt: WeightFormat) -> None:
+    """Quantizing activations to int8 per 32-block costs well under 1% relative error here."""
+    n, k = 64, 576
+    weights = torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 0.05
+    blocks = quantize(weights, fmt)
+    x = random_x(8, k, seed=4)
+    y = int8_matmul(x, blocks, fmt).to(torch.float64)
+    exact = quant_ops.reference_matmul(x, blocks, fmt)
+    assert (y - exact).norm() / exact.norm() < 0.01
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_are_bitwise_batch_invariant(quant_library: QuantLibrary, fmt: WeightFormat, threads: int) -> None:
+    """Row i of matmul(X[s:s+M]) equals matmul(X[i:i+1]) bit for bit, M = 1..40, offsets 0 and 3."""
+    n, k = 72, 160  # 4.5 tiles: full and partial tile groups, a partial tile
+    blocks = random_blocks(n, k, fmt, seed=6)
+    x = random_x(43, k, seed=7)
+    singles = torch.cat([int8_matmul(x[i : i + 1], blocks, fmt, threads) for i in range(43)])
+    for m in range(1, 41):
+        for start in (0, 3):
+            assert torch.equal(int8_matmul(x[start : start + m], blocks, fmt, threads), singles[start : start + m]), (
+                f"M={m} offset={start}"
+            )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_thread_count_does_not_change_bits(quant_library: QuantLibrary, fmt: WeightFormat) -> None:
+    n, k = 1000, 96
+    blocks = random_blocks(n, k, fmt, seed=8)
+    for m in (1, 3, 8, 33):
+        x = random_x(m, k, seed=m)
+        assert torch.equal(int8_matmul(x, blocks, fmt, 1), int8_matmul(x, blocks, fmt, 2))
+
+
+_OTHER_BUILD = """
+import sys, torch
+from pathlib import Path
+from ifb.plugins import quant_ops
+from ifb.plugins.quant_build import load_quant_library
+assert load_quant_library(Path(sys.argv[1]), []) == sys.argv[4]
+cases = torch.load(sys.argv[2])
+torch.save([quant_ops.quant_linear_int8(x, p, quant_ops.WeightFormat(f), n, x.shape[1]) for x, p, f, n in cases], sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("isa", [QuantIsa.AVX2, QuantIsa.AVX512])
+def test_other_isa_builds_give_the_same_bits(quant_library: QuantLibrary, tmp_path: Path, isa: QuantIsa) -> None:
+    """maddubs (AVX2, AVX-512 without VNNI) and vpdpbusd form the same exact integers."""
+    other = build_quant_library(tmp_path / isa.value, isa)
+    if not set(other.required_features) <= cpu_features():
+        pytest.skip(f"this CPU cannot run the {isa.value} path")
+    if isa.value == quant_library.isa.value:
+        pytest.skip(f"{isa.value} is this machine's own build")
+    cases = []
+    for index, fmt in enumerate(FORMATS):
+        n, k = 45, 96
+        packed = quant_ops.pack_int8(random_blocks(n, k, fmt, seed=9 + index), fmt, n, k)
+        cases += [(random_x(m, k, seed=m), packed, fmt.value, n) for m in (1, 3, 7, 20)]
+    torch.save(cases, tmp_path / "cases.pt")
+    command = [sys.executable, "-c", _OTHER_BUILD, str(other.path), str(tmp_path / "cases.pt"), str(tmp_path / "y.pt")]
+    result = subprocess.run([*command, isa.value], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for (x, packed, fmt, n), y in zip(cases, torch.load(tmp_path / "y.pt"), strict=True):
+        assert torch.equal(y, quant_ops.quant_linear_int8(x, packed, WeightFormat(fmt), n, x.shape[1]))
