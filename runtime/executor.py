@@ -239,6 +239,9 @@ class Executor:
         for request, output in zip(produced, outputs, strict=True):
             self._deliver(request, output)
         self._tokens_since_summary += len(sampled)
+        if batch.predicted_ms is not None:
+            measured_ms = (time.perf_counter() - start) * 1e3
+            self.scheduler.step_budget.observe_step(batch.predicted_ms, measured_ms, batch.has_prefill_chunk)
         self._record(batch, start)
 
     def _run_engine(

@@ -51,6 +51,11 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.requests
 
+    @property
+    def has_prefill_chunk(self) -> bool:
+        """Whether some request takes more than one token: the steps a step budget sizes."""
+        return any(r.num_new_tokens > 1 for r in self.requests)
+
 
 class Scheduler:
     def __init__(

@@ -17,6 +17,7 @@ from typing import Protocol
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.request import Request
 from ifb.runtime.step_cost_model import StepCostModel, StepShape
+from ifb.runtime.step_time_correction import StepTimeCorrection
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,15 @@ class StepBudget(Protocol):
 
     def predict_ms(self, shape: StepShape) -> float | None: ...
 
+    @property
+    def measured_over_predicted(self) -> float | None:
+        """The learned ratio of chunked steps' measured to predicted time (None: not corrected)."""
+        ...
+
+    def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
+        """A finished step's predicted and measured time (the whole loop iteration)."""
+        ...
+
 
 class FixedBudget:
     """Today's budget: max_num_tokens per step, whatever the step then costs."""
@@ -75,14 +85,49 @@ class FixedBudget:
     def predict_ms(self, shape: StepShape) -> float | None:
         return None if self._cost_model is None else self._cost_model.predict_ms(shape)
 
+    @property
+    def measured_over_predicted(self) -> float | None:
+        return None
 
-class LatencyTargetBudget:
-    """The largest prefill chunk that keeps the predicted step within the target, >= min_chunk."""
+    def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
+        return None  # nothing to size
+
+
+class _CorrectedTarget:
+    """What the two target budgets share: the cost model and its online correction."""
+
+    def __init__(self, cost_model: StepCostModel, min_chunk_tokens: int) -> None:
+        self._cost_model = cost_model
+        self.min_chunk_tokens = min_chunk_tokens
+        self.correction = StepTimeCorrection()
+
+    @property
+    def cost_model(self) -> StepCostModel | None:
+        return self._cost_model
+
+    def predict_ms(self, shape: StepShape) -> float | None:
+        return self._cost_model.predict_ms(shape)
+
+    @property
+    def measured_over_predicted(self) -> float | None:
+        return self.correction.ratio
+
+    def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
+        if has_prefill:
+            self.correction.observe(predicted_ms, measured_ms)
+
+    def _fitting_chunk(self, token_budget: int, target_ms: float, decode: StepShape, prefill_start: int) -> int:
+        """The largest chunk whose corrected prediction stays within `target_ms`, >= min_chunk."""
+        fits = self._cost_model.max_prefill_tokens(target_ms / self.correction.ratio, decode, prefill_start)
+        return min(token_budget, max(self.min_chunk_tokens, fits))
+
+
+class LatencyTargetBudget(_CorrectedTarget):
+    """The largest prefill chunk that keeps the corrected predicted step within the target, >= min_chunk."""
 
     def __init__(self, cost_model: StepCostModel, itl_target_ms: float, min_chunk_tokens: int) -> None:
-        self._cost_model = cost_model
+        super().__init__(cost_model, min_chunk_tokens)
         self._target_ms = itl_target_ms
-        self.min_chunk_tokens = min_chunk_tokens
 
     @property
     def itl_target_ms(self) -> float | None:
@@ -92,30 +137,21 @@ class LatencyTargetBudget:
     def itl_target_decode_multiple(self) -> float | None:
         return None
 
-    @property
-    def cost_model(self) -> StepCostModel | None:
-        return self._cost_model
-
     def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
-        fits = self._cost_model.max_prefill_tokens(self._target_ms, decode, prefill_start)
-        return min(token_budget, max(self.min_chunk_tokens, fits))
-
-    def predict_ms(self, shape: StepShape) -> float | None:
-        return self._cost_model.predict_ms(shape)
+        return self._fitting_chunk(token_budget, self._target_ms, decode, prefill_start)
 
 
-class RelativeTargetBudget:
-    """The largest prefill chunk that keeps the predicted step within `multiple` x this step's
-    own decode time, or `floor_ms` if that is more (>= min_chunk); a step with no decodes streams
-    to nobody and takes it all."""
+class RelativeTargetBudget(_CorrectedTarget):
+    """The largest prefill chunk that keeps the corrected predicted step within `multiple` x this
+    step's own predicted decode time, or `floor_ms` if that is more (>= min_chunk); a step with
+    no decodes streams to nobody and takes it all."""
 
     def __init__(
         self, cost_model: StepCostModel, multiple: float, min_chunk_tokens: int, floor_ms: float = 0.0
     ) -> None:
-        self._cost_model = cost_model
+        super().__init__(cost_model, min_chunk_tokens)
         self._multiple = multiple
         self._floor_ms = floor_ms
-        self.min_chunk_tokens = min_chunk_tokens
 
     @property
     def itl_target_ms(self) -> float | None:
@@ -125,19 +161,14 @@ class RelativeTargetBudget:
     def itl_target_decode_multiple(self) -> float | None:
         return self._multiple
 
-    @property
-    def cost_model(self) -> StepCostModel | None:
-        return self._cost_model
-
     def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
         if decode.num_decode_rows == 0:
             return token_budget
+        # The multiple applies to the uncorrected decode time: the correction is learned on chunked
+        # steps, and scaling the target by it too would cancel it out. Where decode-only steps run
+        # over their prediction as well, this errs toward smaller chunks (lower gaps).
         target = max(self._floor_ms, self._multiple * self._cost_model.predict_ms(decode))
-        fits = self._cost_model.max_prefill_tokens(target, decode, prefill_start)
-        return min(token_budget, max(self.min_chunk_tokens, fits))
-
-    def predict_ms(self, shape: StepShape) -> float | None:
-        return self._cost_model.predict_ms(shape)
+        return self._fitting_chunk(token_budget, target, decode, prefill_start)
 
 
 def step_shape(chosen: Mapping[str, int], requests: Mapping[str, Request]) -> StepShape:

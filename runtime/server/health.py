@@ -39,7 +39,13 @@ def step_budget_block(budget: StepBudget) -> dict[str, Any]:
         "itl_target_ms": budget.itl_target_ms,
         "itl_target_decode_multiple": budget.itl_target_decode_multiple,
         "cost_model": None if model is None else model.to_json(),
+        # chunked steps' measured / predicted time, learned while serving; the budget divides by it
+        "measured_over_predicted": _rounded(budget.measured_over_predicted),
     }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def health_body(
