@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_TARGET_DECODE_MULTIPLE = 2.5
 # ...but never below this: a target of 2.5x a small batch's decode step shrinks every prompt to
 # one-block chunks, and with 32 clients that starved prefill (TTFT p50 2 -> 32 s, throughput
-# -22%, bench/README.md). 100 ms between tokens still reads as smooth streaming.
-DEFAULT_TARGET_FLOOR_MS = 100.0
+# -22%, bench/README.md). The floor must also stay under 3x the decode step of a modest batch:
+# at 100 ms, 8 streams (34 ms steps) had chunked steps of 100-120 ms, p99 3.5x p50. 80 ms leaves
+# the corrected prediction's ~10% scatter room under 3 x 34 ms and still reads as smooth streaming.
+DEFAULT_TARGET_FLOOR_MS = 80.0
 DEFAULT_TARGET_CONTEXT = 256  # a typical chat turn's context (for the absolute figure /health shows)
 
 
