@@ -109,7 +109,9 @@ def main() -> None:
     floor_ms = block_bytes_read(linears) / (args.bandwidth_gbs * 1e9) * 1e3
     print(f"ISA path: {isa}; threads: {args.threads}; block bytes per step: {block_bytes_read(linears) / 1e6:.1f} MB")
     print(f"weight-read floor at {args.bandwidth_gbs:.0f} GB/s: {floor_ms:.2f} ms")
-    print(f"{'M':>5} {'exact ms':>9} {'int8 ms':>8} {'fp32 F.linear ms':>17} {'exact/int8':>10} {'F.linear/exact':>14} {'floor/exact':>11}")
+    print(
+        f"{'M':>5} {'exact ms':>9} {'int8 ms':>8} {'fp32 F.linear ms':>17} {'exact/int8':>10} {'F.linear/exact':>14} {'floor/exact':>11}"
+    )
     for rows in ROWS:
         inputs = {k: torch.randn(rows, k) for k in {lin.k for lin in linears}}
         repeats = max(2, args.repeats // 2) if rows >= 512 else args.repeats

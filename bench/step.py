@@ -173,7 +173,8 @@ def engine_folders(args: argparse.Namespace) -> list[Path]:
 
 def engine_label(config: EngineConfig) -> str:
     formats = sorted(set(config.weight_formats.values())) or ["dense"]
-    return f"ifb {config.backend.value} {'+'.join(formats)} ({config.dtype})"
+    kv = "" if config.kv_dtype == config.dtype else f", KV {config.kv_dtype}"
+    return f"ifb {config.backend.value} {'+'.join(formats)} ({config.dtype}{kv})"
 
 
 def hf_results(repeats: int) -> dict[str, dict[str, float]]:

@@ -20,11 +20,13 @@ from ifb.builder.convert import hf_to_network_state_dict
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
 from ifb.builder.hf_config import model_spec_from_hf_config
-from ifb.builder.limits import resolve_limits
+from ifb.builder.limits import KV_DTYPE_CHOICES, check_kv_dtype_option, resolve_kv_dtype, resolve_limits
 from ifb.builder.quant_weights import (
+    COMPUTE_CHOICES,
     WEIGHT_CHOICES,
     PackedWeights,
     apply_packed_weights,
+    check_compute_option,
     check_weights_option,
     pack_weights,
     packed_dtype,
@@ -46,7 +48,16 @@ BUILDER_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUILD_STAGES = ("load", "convert", "compile", "write")
-__all__ = ["WEIGHT_CHOICES", "BuildOptions", "BuildSummary", "build_dtype", "build_engine"]
+__all__ = [
+    "COMPUTE_CHOICES",
+    "KV_DTYPE_CHOICES",
+    "WEIGHT_CHOICES",
+    "BuildOptions",
+    "BuildSummary",
+    "build_dtype",
+    "build_engine",
+    "build_kv_dtype",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,8 @@ class BuildOptions:
     block_size: int = 16
     dtype: str = "auto"
     weights: str = "auto"
+    kv_dtype: str = "auto"  # the KV pool's dtype; auto = dtype
+    compute: str = "fp32"  # how block-quantized layers multiply (WeightCompute)
     kv_blocks: int | None = None
     kv_memory_gb: float | None = None
     backend: Backend = Backend.CPU
@@ -68,6 +81,7 @@ class BuildSummary:
     model_name: str
     limits: EngineLimits
     dtype: str
+    kv_dtype: str
     kv_pool_bytes: int
     artifact_bytes: int
     seconds: float
@@ -89,10 +103,17 @@ def _convert(
     inv_freq, rope_scaling = rope_tables(loaded.hf_config)
     state = hf_to_network_state_dict(loaded.state_dict, spec)
     packed: PackedWeights = pack_weights(loaded.source, spec, state, options.weights, options.backend)
+    compute = check_compute_option(options.compute, packed)
     network = StepNetwork(
-        spec, inv_freq, rope_scaling, limits.max_seq_len, limits.block_size, weight_formats=packed.formats
+        spec,
+        inv_freq,
+        rope_scaling,
+        limits.max_seq_len,
+        limits.block_size,
+        weight_formats=packed.formats,
+        weight_compute=compute.value,
     )
-    state = apply_packed_weights(state, packed, spec)
+    state = apply_packed_weights(state, packed, spec, compute)
     missing, unexpected = network.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise BuildError(f"weights do not match the network: missing {missing}, unexpected {unexpected}")
@@ -118,6 +139,12 @@ def build_dtype(options: BuildOptions, source: ModelSource | None = None) -> str
     return packed_dtype(options.dtype, dtype, options.weights) if packs else dtype
 
 
+def build_kv_dtype(options: BuildOptions, dtype: str) -> str:
+    """The KV pool's dtype for an engine computing in `dtype` (the result of `build_dtype`)."""
+    check_kv_dtype_option(options.kv_dtype, options.backend)
+    return resolve_kv_dtype(options.kv_dtype, dtype)
+
+
 def build_engine(
     source: str | Path | None,
     output: Path,
@@ -126,7 +153,8 @@ def build_engine(
 ) -> BuildSummary:
     """Build an engine folder at `output` (atomically); see design.md §3."""
     compiler = compiler_for(options.backend)
-    build_dtype(options)  # first: refuses an unusable backend or option pair before any work
+    check_kv_dtype_option(options.kv_dtype, options.backend)  # first: refuse an unusable option pair
+    build_dtype(options)  # before any work (and before the tensorrt backend looks for a GPU)
     started = time.perf_counter()
     stages: dict[str, float] = {}
 
@@ -138,6 +166,7 @@ def build_engine(
     t = time.perf_counter()
     model_source = resolve_source(source)
     dtype = build_dtype(options, model_source)
+    kv_dtype = build_kv_dtype(options, dtype)
     loaded = load_model(model_source)
     spec = model_spec_from_hf_config(loaded.hf_config)
     limits = resolve_limits(
@@ -146,7 +175,7 @@ def build_engine(
         max_num_tokens=options.max_num_tokens,
         max_seq_len=options.max_seq_len,
         block_size=options.block_size,
-        dtype=dtype,
+        kv_dtype=kv_dtype,
         kv_blocks=options.kv_blocks,
         kv_memory_gb=options.kv_memory_gb,
     )
@@ -156,7 +185,8 @@ def build_engine(
     t = stage("convert", t)
     with atomic_engine_folder(output) as folder:
         on_stage("compile")
-        kv_cache = torch.zeros(kv_pool_shape(spec, limits), dtype=getattr(torch, dtype))
+        # The export's sample pools carry the pool dtype into the compiled step's input signature.
+        kv_cache = torch.zeros(kv_pool_shape(spec, limits), dtype=getattr(torch, kv_dtype))
         compiled = compiler.compile(network, limits, kv_cache, folder)
         del kv_cache
         t = stage("compile", t)
@@ -169,6 +199,7 @@ def build_engine(
             spec=spec,
             limits=limits,
             dtype=dtype,
+            kv_dtype=kv_dtype,
             backend=options.backend,
             rope_scaling=rope_scaling,
             step_package=compiled.step_package,
@@ -178,11 +209,12 @@ def build_engine(
             source=_engine_source(model_source),
             build_id=uuid.uuid4().hex,
             builder_version=BUILDER_VERSION,
-            build_options=_options_record(options, limits, dtype),
+            build_options=_options_record(options, limits, dtype, kv_dtype),
             build_info=_build_info(started, stages),
             tensorrt=compiled.tensorrt,
             kernels=compiled.kernels,
             weight_formats=network.weight_formats,
+            weight_compute=network.weight_compute.value,
         )
         write_engine_json(folder, config)
         t = time.perf_counter()
@@ -195,6 +227,7 @@ def build_engine(
         model_name=model_source.name,
         limits=limits,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         kv_pool_bytes=config.kv_pool_bytes,
         artifact_bytes=artifact_bytes,
         seconds=time.perf_counter() - started,
@@ -206,7 +239,7 @@ def _engine_source(source: ModelSource) -> EngineSource:
     return EngineSource(kind=source.kind.value, path=str(source.path), sha256=source_sha256(source))
 
 
-def _options_record(options: BuildOptions, limits: EngineLimits, dtype: str) -> BuildOptionsRecord:
+def _options_record(options: BuildOptions, limits: EngineLimits, dtype: str, kv_dtype: str) -> BuildOptionsRecord:
     return BuildOptionsRecord(
         max_batch_size=limits.max_batch_size,
         max_num_tokens=limits.max_num_tokens,
@@ -216,6 +249,9 @@ def _options_record(options: BuildOptions, limits: EngineLimits, dtype: str) -> 
         dtype=dtype,
         backend=options.backend.value,
         weights=options.weights,
+        # auto when it is the engine's dtype, so a rebuild with another --dtype keeps the two equal
+        kv_dtype="auto" if kv_dtype == dtype else kv_dtype,
+        compute=options.compute,
     )
 
 

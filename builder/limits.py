@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import math
 
-from ifb.builder.errors import LimitsError
-from ifb.runtime.engine_format import DTYPE_ALIASES, EngineLimits, ModelSpec, kv_bytes_per_block
+from ifb.builder.errors import BuildError, LimitsError
+from ifb.runtime.engine_format import (
+    DTYPE_ALIASES,
+    DTYPE_BYTES,
+    BackendKind,
+    EngineLimits,
+    ModelSpec,
+    kv_bytes_per_block,
+)
 
 DTYPES = ("bfloat16", "float32")  # the CPU backend's; the tensorrt backend adds float16
+KV_DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)  # `--kv-dtype`: auto = the engine's dtype
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -32,6 +40,33 @@ def normalize_dtype(dtype: str) -> str:
     return DTYPE_ALIASES[dtype]
 
 
+def check_kv_dtype_option(kv_dtype: str, backend: BackendKind) -> None:
+    """Refuse a `--kv-dtype` no backend can build, before any work. The tensorrt backend keeps
+    its pool in the plan's dtype (already bf16/fp16 with `--dtype auto`), and its plan reads the
+    pool as its own dtype: a narrower pool there has never run, so it is refused, not guessed."""
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise BuildError(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPE_CHOICES)}")
+    if kv_dtype != "auto" and backend is not BackendKind.CPU:
+        raise BuildError(
+            f"--kv-dtype {kv_dtype} needs --backend cpu: the {backend.value} backend stores the KV cache in the "
+            "engine's --dtype (bf16/fp16 with auto); drop --kv-dtype or pick --dtype instead"
+        )
+
+
+def resolve_kv_dtype(kv_dtype: str, dtype: str) -> str:
+    """The KV pool's dtype for an engine computing in `dtype`: `auto` is `dtype`; a dtype wider
+    than the step's is refused (it would store bits the step never computed)."""
+    if kv_dtype == "auto":
+        return dtype
+    resolved = DTYPE_ALIASES[kv_dtype]
+    if DTYPE_BYTES[resolved] > DTYPE_BYTES[dtype]:
+        raise LimitsError(
+            f"--kv-dtype {kv_dtype} is wider than the engine's dtype {dtype}: the KV cache can only be "
+            f"as wide as what the step computes; use --kv-dtype auto (= {dtype})"
+        )
+    return resolved
+
+
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise LimitsError(f"{name} must be >= 1, got {value}")
@@ -44,11 +79,12 @@ def resolve_limits(
     max_num_tokens: int,
     max_seq_len: int,
     block_size: int,
-    dtype: str,
+    kv_dtype: str,
     kv_blocks: int | None = None,
     kv_memory_gb: float | None = None,
 ) -> EngineLimits:
-    """Check every requested limit against the model and each other; size the KV pool."""
+    """Check every requested limit against the model and each other; size the KV pool
+    (`kv_memory_gb` in blocks of `kv_dtype`: an fp16 pool holds twice an fp32 one's blocks)."""
     for name, value in [
         ("max_batch_size", max_batch_size),
         ("max_num_tokens", max_num_tokens),
@@ -72,7 +108,7 @@ def resolve_limits(
         raise LimitsError("give either kv_blocks or kv_memory, not both")
     blocks_per_seq = math.ceil(max_seq_len / block_size)
     if kv_memory_gb is not None:
-        kv_blocks = int(kv_memory_gb * 1e9 // kv_bytes_per_block(spec, block_size, dtype))
+        kv_blocks = int(kv_memory_gb * 1e9 // kv_bytes_per_block(spec, block_size, kv_dtype))
     if kv_blocks is None:
         kv_blocks = max_batch_size * blocks_per_seq  # every seat can hold a full-length request
     if kv_blocks < blocks_per_seq:

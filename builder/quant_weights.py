@@ -17,14 +17,15 @@ import torch
 from ifb.builder.errors import BuildError
 from ifb.builder.gguf_blocks import has_block_linears, module_parts, read_module_blocks
 from ifb.builder.sources import ModelSource, SourceKind
-from ifb.plugins import quant_ops
-from ifb.plugins.quant_formats import BLOCK_SIZE, WeightFormat, dequantize, quantize
+from ifb.plugins.quant_formats import BLOCK_SIZE, WeightCompute, WeightFormat, dequantize, quantize
 from ifb.runtime.engine_format import BackendKind, ModelSpec
+from ifb.runtime.step.quant_linear import PACKERS
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_CHOICES = ("auto", "fp32", "q8_0", "q4_1", "q4_0")
 BLOCK_CHOICES = ("q8_0", "q4_1", "q4_0")
+COMPUTE_CHOICES = tuple(mode.value for mode in WeightCompute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,19 @@ def check_weights_option(weights: str, backend: BackendKind) -> None:
         raise BuildError(
             f"--weights {weights} needs --backend cpu: the {backend.value} backend stores fp32/bf16 weights"
         )
+
+
+def check_compute_option(compute: str, packed: PackedWeights) -> WeightCompute:
+    """`--compute` names a mode, and int8 only where some layer is stored as blocks."""
+    if compute not in COMPUTE_CHOICES:
+        raise BuildError(f"--compute {compute!r} is not one of {', '.join(COMPUTE_CHOICES)}")
+    mode = WeightCompute(compute)
+    if mode is WeightCompute.INT8 and not packed.blocks:
+        raise BuildError(
+            "--compute int8 needs block-quantized weights: build a GGUF source holding Q4_0/Q4_1/Q8_0 tensors "
+            "with --weights auto, or quantize with --weights q8_0|q4_1|q4_0"
+        )
+    return mode
 
 
 def packed_dtype(requested: str, resolved: str, weights: str) -> str:
@@ -122,13 +136,14 @@ def _check_gguf_blocks(blocks: dict[str, tuple[WeightFormat, torch.Tensor]], sta
 
 
 def apply_packed_weights(
-    state: dict[str, torch.Tensor], packed: PackedWeights, spec: ModelSpec
+    state: dict[str, torch.Tensor], packed: PackedWeights, spec: ModelSpec, compute: WeightCompute
 ) -> dict[str, torch.Tensor]:
-    """The network state dict with each packed module's `.weight` replaced by its `.packed` tiles."""
+    """The network state dict with each packed module's `.weight` replaced by its `.packed` tiles,
+    laid out for `compute`'s kernel."""
     out = dict(state)
     for module, (fmt, rows) in packed.blocks.items():
         n, k = out.pop(f"{module}.weight").shape
-        out[f"{module}.packed"] = quant_ops.pack(rows, fmt, n, k)
+        out[f"{module}.packed"] = PACKERS[compute](rows, fmt, n, k)
         if module == "lm_head" and spec.tie_word_embeddings:
             out["embed.weight"] = dequantize(rows, fmt)
     return out

@@ -43,7 +43,8 @@ def sample_step_inputs(limits: EngineLimits) -> StepInputs:
 
 
 def sample_args(limits: EngineLimits, kv_cache: torch.Tensor) -> tuple[object, ...]:
-    """The network's positional arguments for export: the step inputs, then the pools."""
+    """The network's positional arguments for export: the step inputs, then the pools (views of
+    `kv_cache`, whose dtype, the engine's kv_dtype, becomes the compiled step's pool dtype)."""
     return (*sample_step_inputs(limits).as_args(), kv_pool_views(kv_cache))
 
 

@@ -171,7 +171,12 @@ def bench(
 
             engine = find_or_build_engine(target, BuildOptions())
             config = EngineConfig.load(engine, verify=False)
-            record["engine"] = {"folder": str(engine), "limits": config.limits.to_json(), "dtype": config.dtype}
+            record["engine"] = {
+                "folder": str(engine),
+                "limits": config.limits.to_json(),
+                "dtype": config.dtype,
+                "kv_dtype": config.kv_dtype,
+            }
             options = {
                 k: v for k, v in {"max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}.items() if v
             }

@@ -364,10 +364,11 @@ def _load_llm(
         raise click.ClickException(str(error)) from None
     limits = llm.engine_config.limits
     logger.info(
-        "loaded %s from %s (%s, max_seq_len %d)",
+        "loaded %s from %s (%s, KV cache %s, max_seq_len %d)",
         llm.model_name,
         llm.engine_config.folder,
         llm.engine_config.dtype,
+        llm.engine_config.kv_dtype,
         limits.max_seq_len,
     )
     return llm

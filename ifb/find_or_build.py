@@ -15,7 +15,7 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from ifb.builder.build import BuildOptions, BuildSummary, build_dtype, build_engine
+from ifb.builder.build import BuildOptions, BuildSummary, build_dtype, build_engine, build_kv_dtype
 from ifb.builder.sources import ModelSource, resolve_source, source_sha256
 from ifb.runtime.engine_format import ENGINE_JSON, BackendKind
 
@@ -26,10 +26,14 @@ BUILT_REGISTRY = ".ifb-built.json"
 
 
 def engine_name(source: ModelSource, options: BuildOptions) -> str:
+    dtype = build_dtype(options, source)
+    kv_dtype = build_kv_dtype(options, dtype)
     return (
         f"{source.name.lower()}-b{options.max_batch_size}-t{options.max_num_tokens}"
-        f"-s{options.max_seq_len}-{build_dtype(options, source)}"
+        f"-s{options.max_seq_len}-{dtype}"
+        + ("" if kv_dtype == dtype else f"-kv{kv_dtype}")
         + ("" if options.weights == "auto" else f"-{options.weights}")
+        + ("" if options.compute == "fp32" else f"-compute{options.compute}")
         + ("" if options.backend is BackendKind.CPU else f"-{options.backend.value}")
     )
 
@@ -49,10 +53,12 @@ def _remember(engines_dir: Path, build_id: str) -> None:
 
 def _matches(record: dict, source: ModelSource, sha256: str, options: BuildOptions, built: set[str]) -> bool:
     limits = record.get("limits", {})
+    dtype = build_dtype(options, source)
     return (
         record.get("build_id") in built
         and record.get("source", {}).get("sha256") == sha256
-        and record.get("dtype") == build_dtype(options, source)
+        and record.get("dtype") == dtype
+        and record.get("kv_dtype", record.get("dtype")) == build_kv_dtype(options, dtype)
         and record.get("build_options", {}).get("weights", "auto") == options.weights
         and record.get("backend") == options.backend.value
         and limits.get("max_batch_size", 0) >= options.max_batch_size

@@ -3,6 +3,8 @@
 Same signatures as `attention_reference.py`. The context path (requests with several query
 tokens) runs SDPA with each request's queries padded to the longest chunk; the decode path (one
 query token each) carries no padding at all and is written so the compiler fuses the gather.
+The pools may be narrower than the step (`ifb build --kv-dtype fp16`): K/V are rounded to the
+pool's dtype when written and read back in fp32.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from ifb.plugins.layout import AttentionLayout
 def write_kv(
     k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store each token's K/V at its slot, in place. Pools are [num_slots, kv_heads, head_dim]."""
-    k_pool.index_copy_(0, slot_mapping, k)
-    v_pool.index_copy_(0, slot_mapping, v)
+    """Store each token's K/V at its slot, in place, in the pools' dtype. Pools are
+    [num_slots, kv_heads, head_dim]."""
+    k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, slot_mapping, v.to(v_pool.dtype))
 
 
 def _gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -35,7 +38,11 @@ def _grouped_attention(
     """q [N, Q, H, D], keys/values [N, L, KVH, D], mask [N, Q, L] -> [N, Q, H, D].
 
     Query heads sharing a KV head are folded into the query axis, so K/V are never repeated.
+    K/V stored narrower than q (an fp16 pool under fp32 or bf16 compute) are read in fp32, and
+    q with them: SDPA takes one dtype, and rounding K/V to bf16 would drop bits fp16 kept.
     """
+    if keys.dtype != q.dtype:
+        return _grouped_attention(q.float(), keys.float(), values.float(), mask, scale).to(q.dtype)
     n, num_q, num_heads, head_dim = q.shape
     num_kv_heads, length = keys.shape[2], keys.shape[1]
     group = num_heads // num_kv_heads

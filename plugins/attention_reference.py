@@ -14,10 +14,11 @@ from ifb.plugins.layout import AttentionLayout
 def write_kv_reference(
     k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store each token's K/V at its slot. Pools are [num_slots, kv_heads, head_dim]."""
+    """Store each token's K/V at its slot, rounded to the pools' dtype. Pools are
+    [num_slots, kv_heads, head_dim]."""
     for row, slot in enumerate(slot_mapping.tolist()):
-        k_pool[slot] = k[row]
-        v_pool[slot] = v[row]
+        k_pool[slot] = k[row].to(k_pool.dtype)
+        v_pool[slot] = v[row].to(v_pool.dtype)
 
 
 def _attend_one(

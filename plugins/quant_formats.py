@@ -34,6 +34,19 @@ class WeightFormat(str, Enum):
         return self is not WeightFormat.FP32
 
 
+class WeightCompute(str, Enum):
+    """How block-quantized layers multiply (`ifb build --compute`).
+
+    fp32: fp32 activations times the exact dequantized weights (the engine's numbers equal the
+    fp32 engine's up to summation order). int8: activations quantized per row and 32-block to
+    int8 and integer dot products (llama.cpp's Q8_1 pairing): faster when compute bound, opt-in,
+    its quality measured in bench/quality.py.
+    """
+
+    FP32 = "fp32"
+    INT8 = "int8"
+
+
 _BLOCK_BYTES = {WeightFormat.Q4_0: 18, WeightFormat.Q4_1: 20, WeightFormat.Q8_0: 34}
 
 

@@ -163,7 +163,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_matmul_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
     """What the int8 kernel computes, in float64: quantized x @ dequantize(blocks)^T."""
     q, d = quantize_activations(x.reshape(-1, x.shape[-1]))
-    x_hat = (q.to(torch.float64).reshape(q.shape[0], -1, BLOCK_SIZE) * d.to(torch.float64)[..., None])
+    x_hat = q.to(torch.float64).reshape(q.shape[0], -1, BLOCK_SIZE) * d.to(torch.float64)[..., None]
     return x_hat.reshape(q.shape) @ dequantize(blocks, fmt).to(torch.float64).T
 
 

@@ -38,15 +38,23 @@ def tiny_q4_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path)
     return write_gguf(path, tiny_llama_dir, linear_type="Q4_1", embed_type="Q8_0")
 
 
-def _build(tmp_path_factory: pytest.TempPathFactory, source: Path, name: str, dtype: str) -> Path:
+def _build(
+    tmp_path_factory: pytest.TempPathFactory, source: Path, name: str, dtype: str, kv_dtype: str = "auto"
+) -> Path:
     output = tmp_path_factory.mktemp("engines") / name
-    build_engine(source, output, BuildOptions(dtype=dtype, **TINY_LIMITS))
+    build_engine(source, output, BuildOptions(dtype=dtype, kv_dtype=kv_dtype, **TINY_LIMITS))
     return output
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_engine(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
     return _build(tmp_path_factory, tiny_llama_dir, "tiny-llama-fp32", "fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kv16_engine(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    """The fp32 tiny Llama with `--kv-dtype fp16`: an fp16 KV pool under an fp32 step."""
+    return _build(tmp_path_factory, tiny_llama_dir, "tiny-llama-fp32-kvfp16", "fp32", kv_dtype="fp16")
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +71,20 @@ def tiny_gguf_engine(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) 
 def tiny_q4_gguf_engine(tmp_path_factory: pytest.TempPathFactory, tiny_q4_gguf: Path) -> Path:
     """`--weights auto` on a Q4_1/Q8_0 GGUF: every linear keeps its Q4_1 blocks."""
     return _build(tmp_path_factory, tiny_q4_gguf, "tiny-gguf-q4_1", "auto")
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_gguf_kv16_engine(tmp_path_factory: pytest.TempPathFactory, tiny_q4_gguf: Path) -> Path:
+    """The Q4_1 GGUF engine with `--kv-dtype fp16` (the block kernels' batch invariance, fp16 KV)."""
+    return _build(tmp_path_factory, tiny_q4_gguf, "tiny-gguf-q4_1-kvfp16", "auto", kv_dtype="fp16")
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_gguf_int8_engine(tmp_path_factory: pytest.TempPathFactory, tiny_q4_gguf: Path) -> Path:
+    """The Q4_1/Q8_0 GGUF engine with `--compute int8` (int8 activations, integer dots)."""
+    output = tmp_path_factory.mktemp("engines") / "tiny-gguf-q4_1-int8"
+    build_engine(tiny_q4_gguf, output, BuildOptions(dtype="auto", compute="int8", **TINY_LIMITS))
+    return output
 
 
 @pytest.fixture(scope="session")

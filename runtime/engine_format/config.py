@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ifb.runtime.engine_format.artifacts import ENGINE_JSON, confined_path, verify_artifacts
-from ifb.runtime.engine_format.limits import EngineLimits, kv_bytes_per_block, kv_pool_shape
+from ifb.runtime.engine_format.limits import DTYPE_BYTES, EngineLimits, kv_bytes_per_block, kv_pool_shape
 from ifb.runtime.engine_format.model_spec import ModelSpec
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step_cost_model import StepCostModel
@@ -24,6 +24,8 @@ ENGINE_FORMAT_VERSION = 2  # 2: typed record with build_id, build_options and ke
 # Block formats a linear layer may be stored in (plugins/quant_formats.py); `weight_formats` is an
 # optional field, so a version-2 engine without it has every weight in `dtype`.
 BLOCK_WEIGHT_FORMATS = ("q4_0", "q4_1", "q8_0")
+# How those layers multiply (plugins/quant_formats.py WeightCompute); absent = fp32, the exact mode.
+WEIGHT_COMPUTE_MODES = ("fp32", "int8")
 
 
 class BackendKind(str, Enum):
@@ -70,6 +72,8 @@ class BuildOptionsRecord:
     dtype: str
     backend: str
     weights: str = "auto"
+    kv_dtype: str = "auto"  # auto = the engine's dtype (also what engines built before the option hold)
+    compute: str = "fp32"  # `--compute`: how block-quantized layers multiply
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +81,8 @@ class EngineConfig:
     model_name: str
     spec: ModelSpec
     limits: EngineLimits
-    dtype: str
+    dtype: str  # what the step computes in
+    kv_dtype: str  # what the KV pool stores (`--kv-dtype`); absent from older engine.json = dtype
     backend: BackendKind
     rope_scaling: float
     step_package: str
@@ -92,6 +97,7 @@ class EngineConfig:
     tensorrt: TensorRTPlanInfo | None = None
     kernels: KernelLibraryInfo | None = None
     weight_formats: dict[str, str] = field(default_factory=dict)  # module name -> block format
+    weight_compute: str = "fp32"  # how the block-format layers multiply: fp32 or int8 (`--compute`)
     cost_model: StepCostModel | None = None  # measured at the end of the build on the building machine
     artifacts: dict[str, str] = field(default_factory=dict)
     folder: Path = Path(".")  # where it was loaded from; not part of the record
@@ -118,7 +124,7 @@ class EngineConfig:
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.limits.num_kv_blocks * kv_bytes_per_block(self.spec, self.limits.block_size, self.dtype)
+        return self.limits.num_kv_blocks * kv_bytes_per_block(self.spec, self.limits.block_size, self.kv_dtype)
 
     def rebuild_command(self, **overrides: int) -> str:
         """The `ifb build` command that rebuilds this engine with every option it was built with,
@@ -133,6 +139,8 @@ class EngineConfig:
             ("--dtype", options.dtype),
             ("--backend", options.backend),
             ("--weights", options.weights),
+            ("--kv-dtype", options.kv_dtype),
+            ("--compute", options.compute),
         ]
         words = ["ifb", "build"] + ([self.source.path] if self.source.kind != "default" else [])
         for flag, value in flags:
@@ -150,9 +158,11 @@ class EngineConfig:
             "model": self.spec.to_json(),
             "limits": self.limits.to_json(),
             "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
             "backend": self.backend.value,
             "kv_pool": {
                 "shape": list(kv_pool_shape(self.spec, self.limits)),
+                "dtype": self.kv_dtype,
                 "tokens": self.limits.kv_pool_tokens,
                 "bytes": self.kv_pool_bytes,
             },
@@ -166,6 +176,7 @@ class EngineConfig:
             "tensorrt": None if self.tensorrt is None else _asdict(self.tensorrt),
             "kernels": None if self.kernels is None else _asdict(self.kernels),
             "weight_formats": self.weight_formats,
+            "weight_compute": self.weight_compute,
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             "artifacts": self.artifacts,
         }
@@ -183,11 +194,13 @@ class EngineConfig:
         try:
             kernels = read.optional("kernels")
             cost_model = read.optional("cost_model")
+            dtype = read.field("dtype")
             return cls(
                 model_name=read.field("model_name"),
                 spec=ModelSpec.from_json(read.field("model")),
                 limits=EngineLimits(**read.field("limits")),
-                dtype=read.field("dtype"),
+                dtype=dtype,
+                kv_dtype=_kv_dtype(read.optional("kv_dtype") or dtype),
                 backend=BackendKind(read.field("backend")),
                 rope_scaling=float(read.field("rope_scaling")),
                 step_package=read.field("step_package"),
@@ -202,6 +215,7 @@ class EngineConfig:
                 tensorrt=_maybe(TensorRTPlanInfo, read.optional("tensorrt")),
                 kernels=None if kernels is None else _kernel_info(kernels),
                 weight_formats=_weight_formats(read.optional("weight_formats") or {}),
+                weight_compute=_weight_compute(read.optional("weight_compute") or "fp32"),
                 cost_model=None if cost_model is None else StepCostModel.from_json(cost_model),
                 artifacts=read.field("artifacts"),
                 folder=folder,
@@ -259,6 +273,18 @@ def _weight_formats(data: dict[str, Any]) -> dict[str, str]:
     if bad:
         raise ValueError(f"weight_formats {bad} not in {', '.join(BLOCK_WEIGHT_FORMATS)}")
     return dict(data)
+
+
+def _weight_compute(value: str) -> str:
+    if value not in WEIGHT_COMPUTE_MODES:
+        raise ValueError(f"weight_compute {value!r} not in {', '.join(WEIGHT_COMPUTE_MODES)}")
+    return value
+
+
+def _kv_dtype(value: str) -> str:
+    if value not in DTYPE_BYTES:
+        raise ValueError(f"kv_dtype {value!r} not in {', '.join(DTYPE_BYTES)}")
+    return value
 
 
 def _maybe(kind: type, data: dict[str, Any] | None) -> Any:

@@ -8,7 +8,8 @@ all derived from `STEP_INPUTS` and `dimension_bounds` (design.md §3).
     decode_query_rows, decode_seq_lens      [num_decode]
     decode_block_tables                     [num_decode, decode_blocks]
     logits_indices                          [num_logits]        rows that sample
-    kv_pools (after these)                  2 x num_layers x [num_slots, kv_heads, head_dim]
+    kv_pools (after these)                  2 x num_layers x [num_slots, kv_heads, head_dim],
+                                            in the engine's kv_dtype (engine.json), not its dtype
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ def load_network(config: EngineConfig, reference_ops: bool) -> StepNetwork:
         config.limits.block_size,
         ops=REFERENCE_OPS if reference_ops else FAST_OPS,
         weight_formats=config.weight_formats,
+        weight_compute=config.weight_compute,
     )
     network = network.to(getattr(torch, config.dtype))
     network.load_state_dict(state, strict=not config.spec.tie_word_embeddings)

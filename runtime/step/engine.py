@@ -24,7 +24,8 @@ class Engine:
         self.mode = mode
         self.backend: StepBackend = make_step_backend(config, mode)
         shape = kv_pool_shape(config.spec, config.limits)
-        self.kv_cache = torch.zeros(shape, dtype=getattr(torch, config.dtype), device=self.backend.device)
+        # In the engine's kv_dtype: the compiled step was exported with pools of that dtype.
+        self.kv_cache = torch.zeros(shape, dtype=getattr(torch, config.kv_dtype), device=self.backend.device)
         self.kv_pools = kv_pool_views(self.kv_cache)
 
     @classmethod

@@ -18,7 +18,7 @@ from torch import nn
 from ifb.plugins.attention import paged_attention, write_kv
 from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
 from ifb.plugins.layout import AttentionLayout
-from ifb.plugins.quant_formats import WeightFormat
+from ifb.plugins.quant_formats import WeightCompute, WeightFormat
 from ifb.runtime.engine_format import ModelSpec
 from ifb.runtime.step.quant_linear import QuantLinear
 
@@ -140,10 +140,12 @@ class StepNetwork(nn.Module):
         block_size: int,
         ops: AttentionOps = FAST_OPS,
         weight_formats: dict[str, str] | None = None,
+        weight_compute: str = "fp32",
     ) -> None:
         super().__init__()
         self.spec = spec
         self.weight_formats = dict(weight_formats or {})  # module name -> block format; absent = fp32
+        self.weight_compute = WeightCompute(weight_compute)  # how the block-format layers multiply
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, block_size, ops) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -165,7 +167,9 @@ class StepNetwork(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{name} is not a linear layer, cannot store it as {fmt.value}")
         parent_name, _, attr = name.rpartition(".")
-        quant = QuantLinear(fmt, linear.in_features, linear.out_features, bias=linear.bias is not None)
+        quant = QuantLinear(
+            fmt, linear.in_features, linear.out_features, bias=linear.bias is not None, compute=self.weight_compute
+        )
         setattr(self.get_submodule(parent_name), attr, quant)
 
     def forward(

@@ -1,9 +1,11 @@
 """QuantLinear: a linear layer whose weight is stored as packed GGUF blocks (Q4_0/Q4_1/Q8_0).
 
 The packed tiles are a persistent uint8 buffer, so they are saved and loaded with the other
-weights and AOTInductor's freezing keeps them as uint8 constants fed to the op. Activations stay
-fp32: the kernel dequantizes each block in registers and accumulates one serial fp32 FMA chain
-per output, which is what makes a row's result independent of the rest of the batch.
+weights and AOTInductor's freezing keeps them as uint8 constants fed to the op. With the default
+compute mode activations stay fp32: the kernel dequantizes each block in registers and
+accumulates one serial fp32 FMA chain per output. With `--compute int8` each row is quantized
+per 32-block and multiplied with integer dots. Either way each output is computed from its own
+row only, which is what makes a row's result independent of the rest of the batch.
 """
 
 from __future__ import annotations
@@ -12,31 +14,46 @@ import torch
 from torch import nn
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_formats import BLOCK_SIZE, WeightFormat, block_bytes
+from ifb.plugins.quant_formats import BLOCK_SIZE, WeightCompute, WeightFormat, block_bytes
+
+# The one place a compute mode picks its op and its packing (same packed shape for both).
+_MATMUL_OPS = {
+    WeightCompute.FP32: torch.ops.ifb_quant.quant_matmul,
+    WeightCompute.INT8: torch.ops.ifb_quant.quant_matmul_int8,
+}
+PACKERS = {WeightCompute.FP32: quant_ops.pack, WeightCompute.INT8: quant_ops.pack_int8}
 
 
 def packed_shape(fmt: WeightFormat, n: int, k: int) -> tuple[int, int]:
-    """Shape of `quant_ops.pack`'s output for an [n, k] weight."""
+    """Shape of `quant_ops.pack`'s (and `pack_int8`'s) output for an [n, k] weight."""
     return quant_ops.num_tiles(n), k // BLOCK_SIZE * quant_ops.TILE_COLUMNS * block_bytes(fmt)
 
 
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W [out_features, in_features] held as `quant_ops.pack` tiles."""
 
-    def __init__(self, fmt: WeightFormat, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        fmt: WeightFormat,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        compute: WeightCompute = WeightCompute.FP32,
+    ) -> None:
         super().__init__()
         if not fmt.is_block or in_features % BLOCK_SIZE:
             raise ValueError(
                 f"QuantLinear needs a block format and K % {BLOCK_SIZE} == 0, got {fmt.value}, K={in_features}"
             )
-        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.fmt, self.in_features, self.out_features, self.compute = fmt, in_features, out_features, compute
+        self._matmul = _MATMUL_OPS[compute]
         self.packed: torch.Tensor
         self.register_buffer("packed", torch.zeros(packed_shape(fmt, out_features, in_features), dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.ifb_quant.quant_matmul(x, self.packed, self.fmt.value, self.out_features, self.in_features)
+        y = self._matmul(x, self.packed, self.fmt.value, self.out_features, self.in_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"{self.fmt.value}, in_features={self.in_features}, out_features={self.out_features}"
+        return f"{self.fmt.value}, compute={self.compute.value}, in_features={self.in_features}, out_features={self.out_features}"

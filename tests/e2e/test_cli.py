@@ -111,12 +111,20 @@ def test_configure_logging_replaces_its_own_handler_only(capsys: pytest.CaptureF
     assert [(e["level"], e["message"]) for e in lines] == [("DEBUG", "hello there")]
 
 
-def test_run_log_format_json_emits_json_lines(tiny_llama_engine: Path) -> None:
-    result = invoke("run", str(tiny_llama_engine), "--log-format", "json", "--prompt", "hi", "--max-tokens", "2")
+@pytest.mark.parametrize(
+    ("engine_fixture", "kv_dtype"), [("tiny_llama_engine", "float32"), ("tiny_llama_kv16_engine", "float16")]
+)
+def test_run_log_format_json_emits_json_lines(
+    engine_fixture: str, kv_dtype: str, request: pytest.FixtureRequest
+) -> None:
+    """The startup line names the KV cache's dtype (an opt-in fp16 pool is visible in the log)."""
+    engine = request.getfixturevalue(engine_fixture)
+    result = invoke("run", str(engine), "--log-format", "json", "--prompt", "hi", "--max-tokens", "2")
     assert result.exit_code == 0, result.output
     entries = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     loaded = [e for e in entries if e["logger"] == "ifb.cli.run_command"]
     assert loaded and loaded[0]["level"] == "INFO" and "max_seq_len 256" in loaded[0]["message"]
+    assert f"(float32, KV cache {kv_dtype}," in loaded[0]["message"]
     assert all(set(e) >= {"time", "level", "logger", "message"} for e in entries)
 
 

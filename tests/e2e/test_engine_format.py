@@ -105,7 +105,7 @@ def test_rebuild_hint_is_a_command_the_real_cli_accepts(tiny_llama_engine: Path)
     params = context.params
     assert params["max_batch_size"] == 16 and params["output"] == tiny_llama_engine.resolve()
     options = config.build_options
-    for name in ("max_num_tokens", "max_seq_len", "block_size", "dtype", "backend", "weights"):
+    for name in ("max_num_tokens", "max_seq_len", "block_size", "dtype", "backend", "weights", "kv_dtype"):
         assert str(params[name]) == str(getattr(options, name)), name
     assert params["kv_blocks"] == options.kv_blocks and params["source"] == config.source.path
 

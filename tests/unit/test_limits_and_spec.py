@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from transformers import GPT2Config, LlamaConfig
 
-from ifb.builder.errors import LimitsError, UnsupportedModelError
+from ifb.builder.errors import BuildError, LimitsError, UnsupportedModelError
 from ifb.builder.hf_config import model_spec_from_hf_config
-from ifb.builder.limits import resolve_limits
+from ifb.builder.limits import check_kv_dtype_option, resolve_kv_dtype, resolve_limits
+from ifb.runtime.engine_format import BackendKind, kv_bytes_per_block
 
 SPEC = model_spec_from_hf_config(
     LlamaConfig(
@@ -22,7 +23,7 @@ SPEC = model_spec_from_hf_config(
 
 
 def limits(**overrides: object):
-    kwargs = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=256, block_size=16, dtype="float32")
+    kwargs = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=256, block_size=16, kv_dtype="float32")
     kwargs.update(overrides)
     return resolve_limits(SPEC, **kwargs)  # type: ignore[arg-type]
 
@@ -52,6 +53,51 @@ def test_bad_limits_name_field_value_and_bound(overrides: dict, words: list[str]
 def test_kv_memory_sizes_the_pool() -> None:
     bytes_per_block = 2 * 2 * 16 * 4 * 16 * 4  # K+V, layers, block, kv heads, head_dim, fp32
     assert limits(kv_memory_gb=bytes_per_block * 100 / 1e9).num_kv_blocks == 100
+
+
+def test_fp16_kv_memory_holds_twice_the_blocks() -> None:
+    """--kv-memory sizes the pool in blocks of the KV dtype: the same gigabytes, 2x the blocks."""
+    assert (
+        kv_bytes_per_block(SPEC, 16, "float16") * 2
+        == kv_bytes_per_block(SPEC, 16, "float32")
+        == 2 * 2 * 16 * 4 * 16 * 4
+    )
+    gb = kv_bytes_per_block(SPEC, 16, "float32") * 100 / 1e9
+    assert limits(kv_memory_gb=gb).num_kv_blocks == 100
+    assert limits(kv_memory_gb=gb, kv_dtype="float16").num_kv_blocks == 200
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,dtype,resolved",
+    [
+        ("auto", "float32", "float32"),
+        ("auto", "bfloat16", "bfloat16"),
+        ("fp16", "float32", "float16"),
+        ("half", "float32", "float16"),
+        ("bf16", "float32", "bfloat16"),
+        ("float16", "bfloat16", "float16"),
+        ("fp32", "float32", "float32"),
+    ],
+)
+def test_kv_dtype_resolves_against_the_engine_dtype(kv_dtype: str, dtype: str, resolved: str) -> None:
+    assert resolve_kv_dtype(kv_dtype, dtype) == resolved
+
+
+def test_kv_dtype_wider_than_the_step_is_refused() -> None:
+    with pytest.raises(LimitsError, match="--kv-dtype fp32 is wider than the engine's dtype bfloat16"):
+        resolve_kv_dtype("fp32", "bfloat16")
+
+
+def test_kv_dtype_other_than_auto_needs_the_cpu_backend() -> None:
+    """One line naming the option and the backend; auto passes on every backend."""
+    check_kv_dtype_option("auto", BackendKind.TENSORRT)
+    check_kv_dtype_option("fp16", BackendKind.CPU)
+    with pytest.raises(BuildError) as caught:
+        check_kv_dtype_option("fp16", BackendKind.TENSORRT)
+    assert "--kv-dtype fp16" in str(caught.value) and "--backend cpu" in str(caught.value)
+    assert "tensorrt" in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(BuildError, match="--kv-dtype 'int8' is not one of"):
+        check_kv_dtype_option("int8", BackendKind.CPU)
 
 
 def test_unsupported_architecture_names_itself_and_the_supported_list() -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from quant_cases import random_blocks, random_x
 
 from ifb.plugins import quant_ops
 from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
 from ifb.plugins.quant_formats import BLOCK_SIZE, WeightFormat, dequantize, quantize
-from quant_cases import random_blocks, random_x
 
 FORMATS = [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0]
 

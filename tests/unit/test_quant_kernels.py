@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from quant_cases import random_blocks, random_x
 
 from ifb.plugins import quant_ops
 from ifb.plugins.quant_build import (
@@ -28,7 +29,6 @@ from ifb.plugins.quant_build import (
     load_quant_library,
 )
 from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
-from quant_cases import random_blocks, random_x
 
 FORMATS = [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0]
 _GGUF_TYPE = {
