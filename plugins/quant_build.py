@@ -28,7 +28,7 @@ from torch.utils import cpp_extension
 
 _CSRC = Path(__file__).parent / "csrc"
 # Torch-free kernel translation units, compiled with the ISA flags.
-KERNEL_SOURCES = ("quant_matmul", "quant_matmul_int8")
+KERNEL_SOURCES = ("quant_matmul", "quant_matmul_int8", "paged_decode_attention")
 _REBUILD_HINT = "rebuild the engine on this machine with `ifb build`"
 
 

@@ -34,6 +34,10 @@ TILE_COLUMNS = 16
 _LIBRARY = torch.library.Library("ifb_quant", "DEF")
 _LIBRARY.define("quant_matmul(Tensor x, Tensor packed, str format, int n, int k) -> Tensor")
 _LIBRARY.define("quant_matmul_int8(Tensor x, Tensor packed, str format, int n, int k) -> Tensor")
+_LIBRARY.define(
+    "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
+    "int block_size, float scale) -> Tensor"
+)
 _LIBRARY.define("quant_dequantize(Tensor packed, str format, int n, int k) -> Tensor")
 
 # The shim's C declaration: AOTInductor emits `extern` + this and calls it for the op.
@@ -43,6 +47,11 @@ QUANT_MATMUL_SHIM = (
 )
 
 QUANT_MATMUL_INT8_SHIM = QUANT_MATMUL_SHIM.replace("quant_matmul(", "quant_matmul_int8(")
+PAGED_DECODE_ATTENTION_SHIM = (
+    "AOTITorchError aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_pool, "
+    "AtenTensorHandle v_pool, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, int64_t block_size, "
+    "double scale, AtenTensorHandle* ret0)"
+)
 
 
 def aoti_configs() -> dict[str, object]:
@@ -50,6 +59,7 @@ def aoti_configs() -> dict[str, object]:
     shims = {
         torch.ops.ifb_quant.quant_matmul.default: [QUANT_MATMUL_SHIM],
         torch.ops.ifb_quant.quant_matmul_int8.default: [QUANT_MATMUL_INT8_SHIM],
+        torch.ops.ifb_quant.paged_decode_attention.default: [PAGED_DECODE_ATTENTION_SHIM],
     }
     return {"aot_inductor.custom_ops_to_c_shims": shims}
 
@@ -64,6 +74,19 @@ def _quant_matmul_fake(x: torch.Tensor, packed: torch.Tensor, format: str, n: in
 def _quant_matmul_int8_fake(x: torch.Tensor, packed: torch.Tensor, format: str, n: int, k: int) -> torch.Tensor:
     torch._check(x.shape[-1] == k)
     return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake("ifb_quant::paged_decode_attention")
+def _paged_decode_attention_fake(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 @torch.library.register_fake("ifb_quant::quant_dequantize")

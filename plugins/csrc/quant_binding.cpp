@@ -1,4 +1,5 @@
-// Torch binding of the block-quantized matmul: CPU kernels for the ifb_quant ops and AOTI C shims.
+// Torch binding of the engine's own kernels (block-quantized matmuls, paged decode attention):
+// CPU kernels for the ifb_quant ops and AOTI C shims.
 //
 // The op schemas are defined in Python (plugins/quant_ops.py); this file registers their CPU
 // kernels, splits the column tiles over at::parallel_for (torch.set_num_threads applies), and
@@ -92,6 +93,58 @@ at::Tensor quant_matmul_int8(const at::Tensor& x, const at::Tensor& packed, c10:
   return y;
 }
 
+KvType kv_type(const at::Tensor& pool) {
+  switch (pool.scalar_type()) {
+    case at::kFloat:
+      return KvType::kFloat32;
+    case at::kHalf:
+      return KvType::kFloat16;
+    case at::kBFloat16:
+      return KvType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "ifb_quant: KV pools must be float32, float16 or bfloat16, got ", pool.scalar_type());
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.device().is_cpu(),
+              "ifb_quant: q must be a CPU float32 tensor [rows, heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type() &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "ifb_quant: K/V pools must be contiguous [slots, kv_heads, head_dim] of one dtype");
+  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2), kv_heads = k_pool.size(1);
+  const bool supported_dim = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+  TORCH_CHECK(k_pool.size(2) == head_dim && supported_dim && kv_heads > 0 && heads % kv_heads == 0,
+              "ifb_quant: head_dim ", head_dim, " must match the pools and be 16, 32, 64, 128 or 256; heads ", heads,
+              " a multiple of kv_heads ", kv_heads);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows && block_tables.scalar_type() == at::kLong &&
+                  seq_lens.dim() == 1 && seq_lens.size(0) == rows && seq_lens.scalar_type() == at::kLong,
+              "ifb_quant: block_tables [rows, blocks] and seq_lens [rows] must be int64");
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lengths = seq_lens.contiguous();
+  const at::Tensor queries = q.contiguous();
+  const int64_t* table_data = tables.const_data_ptr<int64_t>();
+  const int64_t* length_data = lengths.const_data_ptr<int64_t>();
+  const int64_t num_slots = k_pool.size(0);
+  for (int64_t r = 0; r < rows; ++r) {  // the kernel trusts these: check once, not per key
+    TORCH_CHECK(length_data[r] >= 0 && length_data[r] <= tables.size(1) * block_size,
+                "ifb_quant: seq_len ", length_data[r], " exceeds the block table of row ", r);
+    for (int64_t b = 0; b < (length_data[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table_data[r * tables.size(1) + b] >= 0 && (table_data[r * tables.size(1) + b] + 1) * block_size <= num_slots,
+                  "ifb_quant: block ", table_data[r * tables.size(1) + b], " outside the pool");
+  }
+  at::Tensor out = at::empty({rows, heads, head_dim}, q.options());
+  const DecodeAttentionProblem problem{queries.const_data_ptr<float>(), rows, heads, kv_heads, head_dim,
+                                       k_pool.const_data_ptr(), v_pool.const_data_ptr(), kv_type(k_pool),
+                                       table_data, tables.size(1), length_data, block_size,
+                                       static_cast<float>(scale), out.mutable_data_ptr<float>()};
+  at::parallel_for(0, rows * kv_heads, 1,
+                   [&](int64_t begin, int64_t end) { run_decode_attention(problem, begin, end); });
+  return out;
+}
+
 at::Tensor quant_dequantize(const at::Tensor& packed, c10::string_view format_name, int64_t n, int64_t k) {
   const Format format = parse_format(format_name);
   check_packed(packed, format, n, k);
@@ -109,6 +162,7 @@ TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) {
   m.impl("quant_matmul", &ifb_quant::quant_matmul);
   m.impl("quant_matmul_int8", &ifb_quant::quant_matmul_int8);
   m.impl("quant_dequantize", &ifb_quant::quant_dequantize);
+  m.impl("paged_decode_attention", &ifb_quant::paged_decode_attention);
 }
 
 // AOTInductor names a custom op's shim aoti_torch_<device>_<op name> and passes tensors as
@@ -132,6 +186,20 @@ IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_matmul_int8(AtenTensorHandle x, A
                                                 *torch::aot_inductor::tensor_handle_to_tensor_pointer(packed),
                                                 format, n, k);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
+  });
+}
+
+IFB_EXPORT AOTITorchError aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_pool,
+                                                                 AtenTensorHandle v_pool, AtenTensorHandle block_tables,
+                                                                 AtenTensorHandle seq_lens, int64_t block_size,
+                                                                 double scale, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = ifb_quant::paged_decode_attention(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k_pool),
+        *tensor_handle_to_tensor_pointer(v_pool), *tensor_handle_to_tensor_pointer(block_tables),
+        *tensor_handle_to_tensor_pointer(seq_lens), block_size, scale);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
   });
 }
 

@@ -76,6 +76,31 @@ void run_tiles_int8(const Int8Problem& problem, int64_t tile_begin, int64_t tile
 // "vnni" or "maddubs": how the int8 path forms its integer dot products.
 const char* int8_dot_path();
 
+// Paged decode attention (paged_decode_attention.cpp): what the K/V pools hold.
+enum class KvType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// out[r, h, :] = softmax(q[r, h, :] . K_r * scale) V_r over the first seq_lens[r] positions of
+// request r, K/V read from the pools [num_slots, num_kv_heads, head_dim] through block_tables.
+struct DecodeAttentionProblem {
+  const float* q;  // [num_rows, num_heads, head_dim]
+  int64_t num_rows;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;  // 16, 32, 64, 128 or 256
+  const void* k_pool;
+  const void* v_pool;
+  KvType kv_type;
+  const int64_t* block_tables;  // [num_rows, table_stride]
+  int64_t table_stride;
+  const int64_t* seq_lens;  // [num_rows]
+  int64_t block_size;
+  float scale;
+  float* out;  // [num_rows, num_heads, head_dim]
+};
+
+// Items [item_begin, item_end) of num_rows * num_kv_heads (row-major): each computed alone.
+void run_decode_attention(const DecodeAttentionProblem& problem, int64_t item_begin, int64_t item_end);
+
 // "avx512" or "avx2": the path this library was compiled for.
 const char* isa_name();
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from ifb.runtime.engine_format import BackendKind, EngineConfig
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step.kernels import load_engine_kernels
-from ifb.runtime.step.network import FAST_OPS, REFERENCE_OPS, StepNetwork
+from ifb.runtime.step.network import StepNetwork, attention_ops
 from ifb.runtime.step.step_inputs import StepInputs
 
 
@@ -43,7 +43,7 @@ def load_network(config: EngineConfig, reference_ops: bool) -> StepNetwork:
         config.rope_scaling,
         config.limits.max_seq_len,
         config.limits.block_size,
-        ops=REFERENCE_OPS if reference_ops else FAST_OPS,
+        ops=attention_ops(config.spec, reference=reference_ops, has_kernel_library=config.kernels is not None),
         weight_formats=config.weight_formats,
         weight_compute=config.weight_compute,
     )

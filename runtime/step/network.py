@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb.plugins.attention import paged_attention, write_kv
+from ifb.plugins.attention import paged_attention, paged_attention_decode_kernel, write_kv
 from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
 from ifb.plugins.layout import AttentionLayout
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
@@ -33,7 +33,19 @@ class AttentionOps:
 
 
 FAST_OPS = AttentionOps(paged_attention, write_kv)
+KERNEL_OPS = AttentionOps(paged_attention_decode_kernel, write_kv)  # decode through the kernel library
 REFERENCE_OPS = AttentionOps(paged_attention_reference, write_kv_reference)
+# The head sizes the decode kernel is written for (16-lane vectors); others keep the torch path.
+DECODE_KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def attention_ops(spec: ModelSpec, reference: bool, has_kernel_library: bool) -> AttentionOps:
+    """The one place that picks the attention implementation of a network."""
+    if reference:
+        return REFERENCE_OPS
+    if has_kernel_library and spec.head_dim in DECODE_KERNEL_HEAD_DIMS:
+        return KERNEL_OPS
+    return FAST_OPS
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,88 @@
+"""The paged decode attention kernel against the compiled torch path it replaces.
+
+Pins: for fp32, fp16 and bf16 pools, grouped heads, lengths from 1 to a full table and blocks
+scattered over the pool, the kernel's output is within fp32 rounding of `_decode_attention`
+over gathered K/V; a request's output is bitwise the same alone, in a batch, in another
+position, and with 1 or 2 threads; bad tables are refused instead of read out of bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ifb.plugins.attention import _decode_attention, _gather_blocks
+from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+
+BLOCK = 16
+SLOTS = 128 * BLOCK
+
+
+@pytest.fixture(scope="module")
+def kernel_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
+    library = build_quant_library(tmp_path_factory.mktemp("attention-lib"))
+    load_quant_library(library.path, library.required_features)
+    return library
+
+
+def case(
+    rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(SLOTS, kv_heads, head_dim, generator=generator).to(dtype)
+    v_pool = torch.randn(SLOTS, kv_heads, head_dim, generator=generator).to(dtype)
+    q = torch.randn(rows, heads, head_dim, generator=generator) * 2
+    tables = torch.randperm(SLOTS // BLOCK, generator=generator)[: rows * 9].reshape(rows, 9)
+    lengths = torch.randint(1, 9 * BLOCK + 1, (rows,), generator=generator)
+    lengths[0], lengths[-1] = 1, 9 * BLOCK  # one key; a full table
+    return q, k_pool, v_pool, tables, lengths
+
+
+def kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    return torch.ops.ifb_quant.paged_decode_attention(q, k, v, tables, lengths, BLOCK, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 2, 32)])
+def test_matches_the_compiled_torch_path(
+    kernel_library: QuantLibrary, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    q, k_pool, v_pool, tables, lengths = case(7, heads, kv_heads, head_dim, dtype, seed=heads + head_dim)
+    keys, values = _gather_blocks(k_pool, tables, BLOCK), _gather_blocks(v_pool, tables, BLOCK)
+    mask = torch.arange(keys.shape[1])[None] < lengths[:, None]
+    expected = _decode_attention(q, keys, values, mask, 0.125)
+    got = kernel(q, k_pool, v_pool, tables, lengths)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    # outputs are averages of unit-scale values: a few fp32 ulps of 1 (exp polynomial, sum order)
+    assert (got - expected).abs().max().item() < 2e-6
+    one_key = v_pool[tables[0, 0] * BLOCK].float().repeat_interleave(heads // kv_heads, dim=0)
+    assert torch.allclose(got[0], one_key, atol=1e-6)  # a single key: softmax weight 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_are_bitwise_batch_invariant(kernel_library: QuantLibrary, threads: int) -> None:
+    q, k_pool, v_pool, tables, lengths = case(12, 9, 3, 64, torch.float32, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = kernel(q, k_pool, v_pool, tables, lengths)
+        order = torch.randperm(12, generator=torch.Generator().manual_seed(1))
+        shuffled = kernel(q[order], k_pool, v_pool, tables[order], lengths[order])
+        assert torch.equal(shuffled, together[order])
+        for row in range(12):
+            alone = kernel(q[row : row + 1], k_pool, v_pool, tables[row : row + 1], lengths[row : row + 1])
+            assert torch.equal(alone[0], together[row]), row
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_out_of_pool_tables_and_lengths_are_refused(kernel_library: QuantLibrary) -> None:
+    q, k_pool, v_pool, tables, lengths = case(2, 4, 2, 16, torch.float32, seed=6)
+    bad = tables.clone()
+    bad[1, 0] = SLOTS // BLOCK
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel(q, k_pool, v_pool, bad, lengths.clamp(max=BLOCK))
+    with pytest.raises(RuntimeError, match="exceeds the block table"):
+        kernel(q, k_pool, v_pool, tables, lengths + 9 * BLOCK)
