@@ -13,6 +13,8 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "quant_kernels.h"
 
@@ -41,17 +43,21 @@ void check_packed(const at::Tensor& packed, Format format, int64_t n, int64_t k)
 // Grain in tiles: chunks under ~32K multiply-adds are not worth waking a second thread for.
 int64_t grain_tiles(int64_t m, int64_t k) { return std::max<int64_t>(1, (int64_t{1} << 15) / (m * k * kTileColumns)); }
 
+// x [..., k] as contiguous rows [m, k], and the output y [..., n] both matmuls write.
+std::pair<at::Tensor, at::Tensor> matmul_operands(const at::Tensor& x, int64_t n, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == k,
+              "ifb_quant: x must be a CPU float32 tensor [..., ", k, "], got ", x.sizes());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  return {x.reshape({-1, k}).contiguous(), at::empty(out_shape, x.options())};
+}
+
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& packed, c10::string_view format_name, int64_t n,
                         int64_t k) {
   const Format format = parse_format(format_name);
   check_packed(packed, format, n, k);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == k,
-              "ifb_quant: x must be a CPU float32 tensor [..., ", k, "], got ", x.sizes());
-  const at::Tensor rows = x.reshape({-1, k}).contiguous();
+  const auto [rows, y] = matmul_operands(x, n, k);
   const int64_t m = rows.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, x.options());
   if (m == 0) return y;
   const Problem problem{rows.const_data_ptr<float>(), k, packed.const_data_ptr<uint8_t>(), y.mutable_data_ptr<float>(),
                         n, m, n, k, format};
@@ -66,13 +72,8 @@ at::Tensor quant_matmul_int8(const at::Tensor& x, const at::Tensor& packed, c10:
                              int64_t k) {
   const Format format = parse_format(format_name);
   check_packed(packed, format, n, k);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == k,
-              "ifb_quant: x must be a CPU float32 tensor [..., ", k, "], got ", x.sizes());
-  const at::Tensor rows = x.reshape({-1, k}).contiguous();
+  const auto [rows, y] = matmul_operands(x, n, k);
   const int64_t m = rows.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, x.options());
   if (m == 0) return y;
   const int64_t num_blocks = k / kBlockSize;
   at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
