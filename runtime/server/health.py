@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ifb.runtime.engine_format import EngineLimits
+from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.runtime_config import RuntimeConfig
 from ifb.runtime.step_budget import StepBudget
@@ -48,15 +48,28 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+def engine_block(engine: EngineConfig) -> dict[str, Any]:
+    """How the engine computes: what a user comparing speed or quality needs to know."""
+    return {
+        "backend": engine.backend.value,
+        "dtype": engine.dtype,
+        "kv_dtype": engine.kv_dtype,
+        "weight_formats": sorted(set(engine.weight_formats.values())),
+        "weight_compute": engine.weight_compute if engine.weight_formats else None,
+        "kernels_isa": None if engine.kernels is None else engine.kernels.isa,
+    }
+
+
 def health_body(
     model: str,
     health: ExecutorHealth,
     snapshot: EngineSnapshot,
-    limits: EngineLimits,
+    engine: EngineConfig,
     config: RuntimeConfig,
     budget: StepBudget,
 ) -> dict[str, Any]:
     kv, guided = snapshot.kv, snapshot.guided
+    limits = engine.limits
     return {
         "status": "ok" if health.ok else "unhealthy",
         "executor": {"alive": health.alive, "stuck": health.stuck, "error": health.error},
@@ -64,6 +77,7 @@ def health_body(
         "in_flight_batching": config.max_batch_size > 1,
         "max_num_seqs": config.max_batch_size,
         "engine_limits": limits.to_json(),
+        "engine": engine_block(engine),
         "runtime_limits": {
             "max_batch_size": config.max_batch_size,
             "max_num_tokens": config.max_num_tokens,

@@ -149,7 +149,7 @@ class Routes:
         llm = self.llm
         health = llm.health()
         budget = llm.executor.scheduler.step_budget  # fixed at start: safe to read from any thread
-        body = health_body(self.model_id, health, llm.stats(), llm.engine_config.limits, llm.config, budget)
+        body = health_body(self.model_id, health, llm.stats(), llm.engine_config, llm.config, budget)
         return JSONResponse(body, status_code=200 if health.ok else 503)
 
     async def metrics_text(self) -> Response:

@@ -25,6 +25,7 @@ from ifb.builder.errors import BuildError
 from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
 from ifb.runtime.engine_format import BackendKind, EngineConfig
 from ifb.runtime.errors import EngineFormatError
+from ifb.runtime.server.health import engine_block
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
@@ -166,6 +167,9 @@ def test_int8_compute_is_recorded_and_close_to_the_exact_engine(
     assert config.weight_compute == "int8" and config.weight_formats
     assert "--compute int8" in config.rebuild_command()
     assert EngineConfig.load(tiny_q4_gguf_engine).weight_compute == "fp32"
+    shown = engine_block(config)  # what /health shows
+    assert shown["weight_compute"] == "int8" and shown["kernels_isa"] == config.kernels.isa
+    assert shown["weight_formats"] == sorted(set(config.weight_formats.values()))
     exact = Engine.load(tiny_q4_gguf_engine, StepMode.COMPILED)
     int8 = Engine.load(tiny_q4_gguf_int8_engine, StepMode.COMPILED)
     exact_logits, int8_logits = run_mixed_step(exact), run_mixed_step(int8)

@@ -78,7 +78,7 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
             metrics = Metrics(llm)
             trace = TraceRecorder.attach(llm.executor)
             outputs = [o.token_ids for o in llm.generate(batch, GREEDY)]
-            health = health_body("tiny", llm.health(), llm.stats(), llm.engine_config.limits, llm.config, budget)
+            health = health_body("tiny", llm.health(), llm.stats(), llm.engine_config, llm.config, budget)
         assert outputs == off
         assert all(s.predicted_ms is not None and s.predicted_ms > 0 for s in steps)
         if target is not None:
@@ -87,6 +87,17 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
             "itl_target_ms": budget.itl_target_ms,
             "itl_target_decode_multiple": budget.itl_target_decode_multiple,
             "cost_model": cost_model.to_json(),
+            "measured_over_predicted": round(budget.measured_over_predicted, 3),
+        }
+        # the chunked steps were observed: the ratio moved off its 1.0 prior, within its clamp
+        assert budget.correction.num_observed > 0 and 0.5 <= budget.measured_over_predicted <= 2.0
+        assert health["engine"] == {
+            "backend": "cpu",
+            "dtype": "float32",
+            "kv_dtype": "float32",
+            "weight_formats": [],
+            "weight_compute": None,
+            "kernels_isa": None,
         }
         count = metrics.registry.get_sample_value("ifb:step_time_prediction_error_ratio_count")
         assert count == len(steps)
