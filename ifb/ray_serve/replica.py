@@ -130,7 +130,7 @@ class IfbReplica:
             "num_running": snapshot.num_running,
             "num_waiting": snapshot.num_waiting,
             "capacity": llm.client.gate.capacity,
-            "health": health_body(llm.model_name, health, snapshot, llm.engine_config.limits, llm.config, budget),
+            "health": health_body(llm.model_name, health, snapshot, llm.engine_config, llm.config, budget),
             "metrics": generate_latest(self.metrics.registry).decode(),
         }
 
