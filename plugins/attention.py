@@ -131,8 +131,9 @@ def paged_attention_decode_kernel(
 ) -> torch.Tensor:
     """`paged_attention` with the decode path in our C++ kernel (plugins/csrc/paged_decode_attention.cpp),
     which reads each request's K/V in place through its block table: at 32 rows x 256 tokens of
-    context it took the SmolLM2 int8 step from 55 to ~35 ms (the compiled gather-and-reduce read
-    K/V at a quarter of the memory bandwidth). Needs the engine's kernel library loaded."""
+    context it took the SmolLM2 int8 step from 55 to 42 ms (the compiled gather-and-reduce read
+    K/V at a quarter of the memory bandwidth; `bench/decode_attention.py`). Needs the engine's
+    kernel library loaded."""
     out = torch.zeros_like(q)
     _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale)
     rows = layout.decode_query_rows

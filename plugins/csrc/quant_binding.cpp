@@ -168,26 +168,30 @@ TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) {
 
 // AOTInductor names a custom op's shim aoti_torch_<device>_<op name> and passes tensors as
 // handles, str as const char*, int as int64_t, then one output handle per returned tensor.
+namespace {
+using MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, int64_t);
+
+// Both matmul shims: unwrap the handles, run the op, hand the result back as a new handle.
+AOTITorchError matmul_shim(MatmulFn* op, AtenTensorHandle x, AtenTensorHandle packed, const char* format, int64_t n,
+                           int64_t k, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor y = op(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(packed), format, n, k);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
+  });
+}
+}  // namespace
+
 IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_matmul(AtenTensorHandle x, AtenTensorHandle packed,
                                                        const char* format, int64_t n, int64_t k,
                                                        AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor y = ifb_quant::quant_matmul(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
-                                           *torch::aot_inductor::tensor_handle_to_tensor_pointer(packed),
-                                           format, n, k);
-    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
-  });
+  return matmul_shim(&ifb_quant::quant_matmul, x, packed, format, n, k, ret0);
 }
 
 IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_matmul_int8(AtenTensorHandle x, AtenTensorHandle packed,
                                                             const char* format, int64_t n, int64_t k,
                                                             AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    at::Tensor y = ifb_quant::quant_matmul_int8(*torch::aot_inductor::tensor_handle_to_tensor_pointer(x),
-                                                *torch::aot_inductor::tensor_handle_to_tensor_pointer(packed),
-                                                format, n, k);
-    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
-  });
+  return matmul_shim(&ifb_quant::quant_matmul_int8, x, packed, format, n, k, ret0);
 }
 
 IFB_EXPORT AOTITorchError aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_pool,
