@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ OUT = ROOT / "bench" / "out"
 LLAMA_DIR = OUT / "llama.cpp"
 LLAMA_BIN = LLAMA_DIR / "bin" / "llama-server"
 LLAMA_BUILD_JSON = LLAMA_DIR / "build.json"
+# The cmake targets built and cached in LLAMA_DIR/bin (llama-quantize: bench/byo_gguf.py's inputs).
+LLAMA_TARGETS = ("llama-server", "llama-quantize")
 
 # Common English words; with a leading space each is one token for SmolLM2's tokenizer, so a
 # prompt's token count is close to its word count before the exact sizing below.
@@ -103,11 +106,13 @@ def cmake_options(src: Path) -> list[str]:
     return opts
 
 
-def build_llama_server(jobs: int, rebuild: bool) -> dict[str, Any]:
-    if LLAMA_BIN.is_file() and LLAMA_BUILD_JSON.is_file() and not rebuild:
+def build_llama_server(jobs: int, rebuild: bool, targets: tuple[str, ...] = LLAMA_TARGETS) -> dict[str, Any]:
+    """Build (or find cached) llama.cpp's `targets` into LLAMA_DIR/bin; returns the build record."""
+    bins = [LLAMA_DIR / "bin" / t for t in targets]
+    if all(b.is_file() for b in bins) and LLAMA_BUILD_JSON.is_file() and not rebuild:
         info = json.loads(LLAMA_BUILD_JSON.read_text())
         info["cached"] = True
-        print(f"llama-server: cached {LLAMA_BIN} (llama-cpp-python {info.get('version')})", flush=True)
+        print(f"llama.cpp: cached {', '.join(map(str, bins))} (llama-cpp-python {info.get('version')})", flush=True)
         return info
     LLAMA_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LLAMA_DIR / "build.log"
@@ -133,15 +138,16 @@ def build_llama_server(jobs: int, rebuild: bool) -> dict[str, Any]:
         build = LLAMA_DIR / "build"
         incremental = (build / "CMakeCache.txt").is_file()
         configure = ["cmake", "-S", str(src), "-B", str(build), *cmake_options(src)]
-        compile_ = ["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"]
-        print(f"llama-server: building llama.cpp from llama-cpp-python {version} (log: {log_path})", flush=True)
+        compile_ = ["cmake", "--build", str(build), "--target", *targets, f"-j{jobs}"]
+        print(f"llama.cpp: building {', '.join(targets)} from llama-cpp-python {version} (log: {log_path})", flush=True)
         t1 = time.perf_counter()
         run_logged(configure, log)
         t2 = time.perf_counter()
         run_logged(compile_, log)
         t3 = time.perf_counter()
     LLAMA_BIN.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(build / "bin" / "llama-server", LLAMA_BIN)
+    for target, dest in zip(targets, bins, strict=True):
+        shutil.copy2(build / "bin" / target, dest)
     version_out = subprocess.run([str(LLAMA_BIN), "--version"], capture_output=True, text=True, timeout=60)
     info = {
         "version": version,
@@ -152,12 +158,13 @@ def build_llama_server(jobs: int, rebuild: bool) -> dict[str, Any]:
         "build_s": round(t3 - t2, 1),
         "total_s": round(t3 - t0, 1),
         "jobs": jobs,
+        "targets": list(targets),
         "incremental": incremental,  # an earlier build folder was reused: times cover only what was left
         "machine": platform.machine(),
         "cached": False,
     }
     LLAMA_BUILD_JSON.write_text(json.dumps(info, indent=2))
-    print(f"llama-server: built in {info['total_s']:.0f} s -> {LLAMA_BIN}", flush=True)
+    print(f"llama.cpp: built in {info['total_s']:.0f} s -> {', '.join(map(str, bins))}", flush=True)
     return info
 
 
@@ -437,7 +444,15 @@ def concurrent_summary(streams: list[Stream], wall: float) -> dict[str, Any]:
     }
 
 
-def measure(server: Server, args, prompts: dict[str, list[str]], start_timeout: float) -> dict[str, Any]:
+def measure(
+    server: Server,
+    args,
+    prompts: dict[str, list[str]],
+    start_timeout: float,
+    on_warm: Callable[[Server], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Start `server`, warm it, run (a) and (b), stop it. `on_warm(server)` (bench/byo_gguf.py: resident
+    memory) runs after the warm-up; what it returns is stored as result["after_warmup"]."""
     result: dict[str, Any] = {"command": shlex.join(server.cmd), "log": str(server.log.relative_to(ROOT))}
     result["load_before"] = loadavg()
     server.start(start_timeout)
@@ -453,6 +468,8 @@ def measure(server: Server, args, prompts: dict[str, list[str]], start_timeout: 
             )
         warm, _ = asyncio.run(run_streams(server.url, prompts["warmup"], args.max_tokens, concurrent=False))
         notes += check(warm, args.max_tokens, server.name, "warmup")
+        if on_warm is not None:
+            result["after_warmup"] = on_warm(server)
 
         result["load_single"] = loadavg()
         single, _ = asyncio.run(run_streams(server.url, prompts["single"], args.max_tokens, concurrent=False))

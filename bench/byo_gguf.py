@@ -1,0 +1,552 @@
+"""Bring your own GGUF: build and serve a user's Q4_K_M / Q4_0 files, against llama.cpp on the same files.
+
+    .venv/bin/python bench/byo_gguf.py [--models smollm2-q4km,1b-q4km,1b-q4_0,8b-q4km]
+        [--compute default,int8] [--clients 16] [--prompt-tokens 256] [--max-tokens 128]
+        [--rss-cap-gb 22] [--ifb-rev HEAD | --ifb-tree DIR] [--skip-serve] [--rebuild] [--merge]
+
+Inputs (bench/gguf_synth.py, made here, no weights downloaded, cached in bench/out/byo/):
+smollm2-q4km = the bundled SmolLM2-135M requantized to Q4_K_M by llama-quantize; 1b-q4km / 1b-q4_0 =
+a random-weight Llama-3.2-1B-shaped model quantized from F16; 8b-q4km = Llama-3.1-8B-shaped, Q4_K_M.
+
+For each model and each --compute value ("default" = no --compute flag):
+  1. `ifb build GGUF -o bench/out/byo/engines/MODEL-COMPUTE --max-batch-size 16 --kv-blocks N` in its own
+     process group: wall time, peak RSS of the process tree (psutil, every 0.2 s) and the build process's
+     own ru_maxrss (wait4), exit code, engine folder size. Killed (and recorded so) when the tree's RSS
+     passes --rss-cap-gb, so an out-of-memory build cannot take the shared machine down.
+  2. llama-server (`-np CLIENTS -t 2 -c CLIENTS*(PROMPT+MAX+MARGIN)`) and `ifb run ENGINE --threads 2`,
+     one at a time, with bench/peers.py's client and measurement (peers.measure): resident memory after
+     the 2-request warm-up (RSS, of it anonymous) and its peak over the run; (a) single stream, sequential
+     requests; (b) CLIENTS concurrent streaming clients. Same prompts, same request body. ifb's KV pool
+     holds the same tokens as llama-server's context (N = CLIENTS * ceil((PROMPT+MAX+MARGIN)/16) blocks).
+Prints one table and writes bench/out/byo_gguf.json (with the CPU's ISA flags and engine.json's kernel ISA).
+
+--ifb-rev REV measures a committed builder: `git archive REV` is unpacked under bench/out/byo/trees/ and
+ifb is run from it (the shared working tree may be mid-edit). Default: the installed `ifb`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402
+from gguf_synth import BYO, MODELS, ROOT, ensure_inputs, tensor_types  # noqa: E402
+
+ENGINES = BYO / "engines"
+RESULTS = peers.OUT / "byo_gguf.json"
+BLOCK = 16
+
+# Runs `ifb` from another source tree than the editable install's (argv: TREE, ifb arguments).
+TREE_LAUNCHER = """
+import importlib.util, sys
+from pathlib import Path
+tree = Path(sys.argv[1]).resolve()
+dirs = {"ifb": "ifb", "ifb.builder": "builder", "ifb.cli": "cli", "ifb.plugins": "plugins", "ifb.runtime": "runtime"}
+class TreeFinder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name in dirs:
+            d = tree / dirs[name]
+            return importlib.util.spec_from_file_location(name, d / "__init__.py", submodule_search_locations=[str(d)])
+        return None
+sys.meta_path.insert(0, TreeFinder)
+sys.argv = ["ifb", *sys.argv[2:]]
+from ifb.cli.main import cli
+cli()
+"""
+
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx_vnni", "amx_bf16", "amx_int8", "amx_tile")  # fmt: skip
+
+
+def cpu_isa() -> dict[str, Any]:
+    flags: set[str] = set()
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+        if line.startswith("model name") and not model:
+            model = line.split(":", 1)[1].strip()
+    present = [f for f in ISA_FLAGS if f in flags]
+    return {"model_name": model, "flags": present, "summary": " ".join(present) or "none of " + ",".join(ISA_FLAGS)}
+
+
+# ---------------------------------------------------------------------------------------------
+# ifb command
+# ---------------------------------------------------------------------------------------------
+
+
+def ifb_command(args) -> tuple[list[str], str]:
+    """The argv prefix that runs ifb, and a description of which source tree it runs."""
+    tree = None
+    if args.ifb_rev:
+        sha = subprocess.run(["git", "rev-parse", args.ifb_rev], cwd=ROOT, capture_output=True, text=True, check=True)
+        sha = sha.stdout.strip()
+        tree = BYO / "trees" / sha[:12]
+        if not (tree / "builder" / "__init__.py").is_file():
+            tree.mkdir(parents=True, exist_ok=True)
+            archive = subprocess.Popen(["git", "archive", sha], cwd=ROOT, stdout=subprocess.PIPE)
+            subprocess.run(["tar", "-x", "-C", str(tree)], stdin=archive.stdout, check=True)
+            archive.wait()
+        desc = f"git archive {args.ifb_rev} ({sha[:12]}) at {tree.relative_to(ROOT)}"
+    elif args.ifb_tree:
+        tree = Path(args.ifb_tree).resolve()
+        desc = f"source tree {tree}"
+    if tree is not None:
+        launcher = BYO / "ifb_tree.py"
+        launcher.write_text(TREE_LAUNCHER)
+        return [sys.executable, str(launcher), str(tree)], desc
+    exe = Path(sys.executable).parent / "ifb"
+    status = subprocess.run(["git", "status", "--porcelain", "--", "builder", "runtime", "plugins", "cli", "ifb"],
+                            cwd=ROOT, capture_output=True, text=True).stdout  # fmt: skip
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = f", {len(status.splitlines())} uncommitted file(s) under builder/runtime/plugins/cli/ifb" if status else ""
+    return (
+        [str(exe)] if exe.is_file() else [sys.executable, "-m", "ifb.cli.main"]
+    ), f"installed ifb (HEAD {head.strip()}{dirty})"
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_memory(pid: int) -> dict[str, float]:
+    """RSS and anonymous RSS (RSS minus file-backed/shared pages) of a process and its descendants, bytes."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {"rss": 0.0, "anon": 0.0, "processes": 0}
+    rss = anon = 0.0
+    n = 0
+    for p in procs:
+        try:
+            mi = p.memory_info()
+        except psutil.Error:
+            continue
+        rss += mi.rss
+        anon += mi.rss - getattr(mi, "shared", 0)
+        n += 1
+    return {"rss": rss, "anon": anon, "processes": n}
+
+
+class PeakPoller:
+    """Polls a process tree's RSS until stopped or the process is gone; keeps the peak."""
+
+    def __init__(self, pid: int, interval: float = 0.2, cap_bytes: float | None = None, on_cap=None):
+        self.pid, self.interval, self.cap, self.on_cap = pid, interval, cap_bytes, on_cap
+        self.peak = {"rss": 0.0, "anon": 0.0}
+        self.capped = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and psutil.pid_exists(self.pid):
+            m = tree_memory(self.pid)
+            for k in self.peak:
+                self.peak[k] = max(self.peak[k], m[k])
+            if self.cap is not None and m["rss"] > self.cap and not self.capped:
+                self.capped = True
+                if self.on_cap is not None:
+                    self.on_cap()
+            self._stop.wait(self.interval)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join(5)
+        return dict(self.peak)
+
+
+def gb(x: float | None) -> float | None:
+    return None if x is None else round(x / 1e9, 3)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+# ---------------------------------------------------------------------------------------------
+# build
+# ---------------------------------------------------------------------------------------------
+
+
+def build_engine(ifb_cmd: list[str], gguf: Path, out: Path, compute: str, args) -> dict[str, Any]:
+    record_path = out.with_name(out.name + ".build.json")
+    if record_path.is_file() and not args.rebuild:
+        rec = json.loads(record_path.read_text())
+        if rec.get("ok") or not args.retry_failed:
+            rec["cached"] = True
+            print(
+                f"[build {out.name}] cached record ({'ok' if rec.get('ok') else 'FAILED'}): {record_path.name}",
+                flush=True,
+            )
+            return rec
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    per_seq = args.prompt_tokens + args.max_tokens + args.ctx_margin
+    kv_blocks = args.clients * math.ceil(per_seq / BLOCK)
+    cmd = [*ifb_cmd, "build", str(gguf), "-o", str(out), "--max-batch-size", str(args.max_batch_size),
+           "--kv-blocks", str(kv_blocks), *(["--compute", compute] if compute != "default" else []),
+           *shlex.split(args.build_args)]  # fmt: skip
+    log = out.with_name(out.name + ".build.log")
+    print(f"[build {out.name}] $ {shlex.join(cmd)}  (log: {log.relative_to(ROOT)})", flush=True)
+    cap = args.rss_cap_gb * 1e9
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.build_threads_env else None
+    load_before = peers.loadavg()
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def kill_group() -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    poller = PeakPoller(proc.pid, cap_bytes=cap, on_cap=kill_group)
+    timed_out = False
+    while True:
+        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid == proc.pid:
+            break
+        if time.perf_counter() - t0 > args.build_timeout and not timed_out:
+            timed_out = True
+            kill_group()
+        time.sleep(0.2)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    kill_group()  # leftovers (compiler children) of a killed build
+    peak = poller.stop()
+    ok = proc.returncode == 0 and (out / "engine.json").is_file()
+    rec: dict[str, Any] = {
+        "command": shlex.join(cmd),
+        "log": str(log.relative_to(ROOT)),
+        "ok": ok,
+        "exit_code": proc.returncode,
+        "killed_at_rss_cap": poller.capped,
+        "rss_cap_gb": args.rss_cap_gb,
+        "timed_out": timed_out,
+        "wall_s": round(wall, 1),
+        "peak_tree_rss_gb": gb(peak["rss"]),
+        "peak_tree_anon_gb": gb(peak["anon"]),
+        "ru_maxrss_gb": round(ru.ru_maxrss * 1024 / 1e9, 3),  # largest single process (KiB on Linux)
+        "kv_blocks": kv_blocks,
+        "load_before": load_before,
+        "cached": False,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    if ok:
+        rec["engine_bytes"] = folder_bytes(out)
+        rec["engine_files"] = {
+            str(f.relative_to(out)): f.stat().st_size
+            for f in sorted(out.rglob("*"))
+            if f.is_file() and f.stat().st_size > 1 << 20
+        }
+        cfg = json.loads((out / "engine.json").read_text())
+        rec["engine_json"] = {
+            k: cfg.get(k) for k in ("dtype", "kv_dtype", "compute", "weight_formats", "kernels", "backend")
+        }
+    else:
+        rec["log_tail"] = log.read_text(errors="replace")[-2000:]
+    what = (
+        "ok"
+        if ok
+        else ("KILLED at RSS cap" if poller.capped else "TIMED OUT" if timed_out else f"FAILED rc={proc.returncode}")
+    )
+    print(f"[build {out.name}] {what}: {wall:.0f} s, peak RSS {rec['peak_tree_rss_gb']} GB (tree), "
+          f"{rec['ru_maxrss_gb']} GB (ru_maxrss)" + (f", engine {rec['engine_bytes'] / 1e9:.2f} GB" if ok else ""),
+          flush=True)  # fmt: skip
+    record_path.write_text(json.dumps(rec, indent=2))
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# serve
+# ---------------------------------------------------------------------------------------------
+
+
+def serve(server: peers.Server, args, prompts) -> dict[str, Any]:
+    """peers.measure plus resident memory after warm-up and its peak until the server stops."""
+    state: dict[str, Any] = {}
+
+    def on_warm(s: peers.Server) -> dict[str, Any]:
+        m = tree_memory(s.proc.pid)
+        state["poller"] = PeakPoller(s.proc.pid, interval=0.5)
+        print(f"[{s.name}] after warm-up: RSS {m['rss'] / 1e9:.2f} GB (anonymous {m['anon'] / 1e9:.2f} GB)", flush=True)
+        return {"rss_gb": gb(m["rss"]), "anon_gb": gb(m["anon"]), "processes": m["processes"]}
+
+    try:
+        result = peers.measure(server, args, prompts, args.start_timeout, on_warm=on_warm)
+        result["ok"] = True
+    except SystemExit as exc:  # peers raises SystemExit on a failed start or failed requests
+        server.stop()
+        result = {"ok": False, "error": str(exc), "command": shlex.join(server.cmd)}
+        print(f"[{server.name}] FAILED: {exc}", flush=True)
+    if "poller" in state:
+        peak = state["poller"].stop()
+        result["peak_during_run"] = {"rss_gb": gb(peak["rss"]), "anon_gb": gb(peak["anon"])}
+    return result
+
+
+def tokenizer_dir() -> Path:
+    """A folder with tokenizer/tokenizer.json for peers.make_prompts: SmolLM2's, which every input uses."""
+    folder = BYO / "prompt-tokenizer"
+    if not (folder / "tokenizer" / "tokenizer.json").is_file():
+        from gguf_synth import bundled_gguf
+        from transformers import AutoTokenizer
+
+        src = bundled_gguf()
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tok.save_pretrained(str(folder / "tokenizer"))
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def fmt(x: Any, spec: str = ".1f") -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def ratio(a: Any, b: Any) -> str:
+    return f" ({a / b:.2f}x)" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
+
+
+def serve_numbers(r: dict[str, Any] | None) -> dict[str, Any]:
+    if not r or not r.get("ok"):
+        return {}
+    c = r["concurrent"]
+    return {
+        "rss": (r.get("after_warmup") or {}).get("rss_gb"),
+        "anon": (r.get("after_warmup") or {}).get("anon_gb"),
+        "single": r["single"]["decode_tok_s_mean"],
+        "single_ttft": r["single"]["ttft_mean_s"] * 1000,
+        "conc": c["output_tok_s"],
+        "ttft50": c["ttft_p50_s"],
+        "ttft99": c["ttft_p99_s"],
+        "itl50": c["itl_p50_s"] * 1000,
+        "itl99": c["itl_p99_s"] * 1000,
+    }
+
+
+def table(results: dict[str, Any], clients: int) -> str:
+    head = ("| model (file) | server | build s | build peak RSS GB | engine GB | RSS warm GB (anon) | 1 stream tok/s "
+            f"| 1 stream TTFT ms | {clients} clients tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms |")  # fmt: skip
+    lines = [head, "|" + " --- |" * 11]
+    for model, m in results.items():
+        types = ", ".join(f"{k}×{v}" for k, v in m["tensor_types"].items())
+        file_desc = f"{model} ({m['file_mb']:,.0f} MB: {types})"
+        llama = serve_numbers(m.get("llama"))
+        rows = [("llama-server", None, llama, None)]
+        for compute, e in m.get("ifb", {}).items():
+            rows.append((f"ifb {compute}", e.get("build"), serve_numbers(e.get("serve")), e))
+        for i, (name, build, s, e) in enumerate(rows):
+            if build is None:
+                bcols = ["—", "—", "—"]
+                if name == "llama-server" and m.get("llama") and not m["llama"].get("ok"):
+                    name += " (FAILED)"
+            elif not build.get("ok"):
+                why = (
+                    "killed at cap"
+                    if build.get("killed_at_rss_cap")
+                    else "timeout"
+                    if build.get("timed_out")
+                    else f"rc {build.get('exit_code')}"
+                )
+                bcols = [f"{fmt(build['wall_s'], '.0f')} FAILED ({why})", fmt(build.get("peak_tree_rss_gb")), "—"]
+            else:
+                bcols = [
+                    fmt(build["wall_s"], ".0f"),
+                    fmt(build.get("peak_tree_rss_gb")),
+                    fmt(build["engine_bytes"] / 1e9, ".2f"),
+                ]
+            if e is not None and e.get("serve") and not e["serve"].get("ok"):
+                name += " (serve FAILED)"
+            base = llama if i > 0 else {}
+            cells = [
+                file_desc if i == 0 else "",
+                name,
+                *bcols,
+                (f"{fmt(s.get('rss'), '.2f')} ({fmt(s.get('anon'), '.2f')})" + ratio(s.get("rss"), base.get("rss")))
+                if s
+                else "—",
+                (fmt(s.get("single")) + ratio(s.get("single"), base.get("single"))) if s else "—",
+                fmt(s.get("single_ttft"), ".0f") if s else "—",
+                (fmt(s.get("conc")) + ratio(s.get("conc"), base.get("conc"))) if s else "—",
+                f"{fmt(s.get('ttft50'))} / {fmt(s.get('ttft99'))}" if s else "—",
+                f"{fmt(s.get('itl50'), '.0f')} / {fmt(s.get('itl99'), '.0f')}" if s else "—",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2-q4km,1b-q4km,1b-q4_0,8b-q4km", help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--compute", default="default", help="comma-separated `ifb build --compute` values; "
+                        "default = no flag (e.g. default,int8 or auto,int8)")  # fmt: skip
+    parser.add_argument("--build-args", default="", help="extra `ifb build` arguments (one shell-quoted string)")
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--clients", type=int, default=16, help="concurrent streaming clients (and llama-server -np)")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--single-requests", type=int, default=3, help="sequential requests in the single-stream phase")
+    parser.add_argument("--ctx-margin", type=int, default=128, help="extra tokens per sequence in both KV sizes")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server -t, ifb run --threads, llama-quantize")
+    parser.add_argument("--rss-cap-gb", type=float, default=22.0, help="kill a build whose process tree passes this")
+    parser.add_argument("--build-timeout", type=float, default=3600)
+    parser.add_argument("--build-threads-env", action="store_true", help="set OMP_NUM_THREADS=--threads for builds")
+    parser.add_argument("--rebuild", action="store_true", help="rebuild engines that have a build record")
+    parser.add_argument("--retry-failed", action="store_true", help="rebuild engines whose recorded build failed")
+    parser.add_argument("--ifb-rev", default=None, help="run ifb from `git archive REV` (e.g. HEAD)")
+    parser.add_argument("--ifb-tree", default=None, help="run ifb from this source tree")
+    parser.add_argument("--skip-serve", action="store_true", help="build only, no serving comparison")
+    parser.add_argument("--skip-llama", action="store_true", help="serve ifb only")
+    parser.add_argument("--skip-build", action="store_true", help="never build llama.cpp (use the cached tools)")
+    parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--merge", action="store_true", help="keep other models' entries of an existing JSON")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    models = [m for m in args.models.split(",") if m]
+    unknown = set(models) - set(MODELS)
+    if unknown:
+        raise SystemExit(f"unknown --models {sorted(unknown)}; known: {', '.join(MODELS)}")
+    computes = [c for c in args.compute.split(",") if c]
+    isa = cpu_isa()
+    print(f"CPU: {isa['model_name']}, {os.cpu_count()} cores; ISA flags: {isa['summary']}", flush=True)
+    llama_build = {} if args.skip_build else peers.build_llama_server(jobs=2, rebuild=False)
+    if args.skip_build and peers.LLAMA_BUILD_JSON.is_file():
+        llama_build = json.loads(peers.LLAMA_BUILD_JSON.read_text())
+    inputs = ensure_inputs(models, threads=args.threads)
+    ifb_cmd, ifb_desc = ifb_command(args)
+    print(f"ifb: {ifb_desc}: {shlex.join(ifb_cmd)}", flush=True)
+
+    prompts = None
+    if not args.skip_serve:
+        n_single = args.single_requests
+        all_prompts = peers.make_prompts(tokenizer_dir(), 2 + n_single + args.clients, args.prompt_tokens, args.seed)
+        prompts = {
+            "warmup": all_prompts[:2],
+            "single": all_prompts[2 : 2 + n_single],
+            "concurrent": all_prompts[2 + n_single :],
+        }
+
+    previous = json.loads(args.output.read_text()).get("results", {}) if args.merge and args.output.is_file() else {}
+    results: dict[str, Any] = {k: v for k, v in previous.items() if k not in models}
+    ENGINES.mkdir(parents=True, exist_ok=True)
+    ctx = args.clients * (args.prompt_tokens + args.max_tokens + args.ctx_margin)
+    for model in models:
+        gguf = inputs[model]
+        entry: dict[str, Any] = {
+            "file": str(gguf.relative_to(ROOT)),
+            "file_mb": gguf.stat().st_size / 1e6,
+            "tensor_types": tensor_types(gguf),
+            "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "ifb": {},
+        }
+        results[model] = entry
+        for compute in computes:
+            engine = ENGINES / f"{model}-{compute}"
+            entry["ifb"][compute] = {
+                "engine": str(engine.relative_to(ROOT)),
+                "build": build_engine(ifb_cmd, gguf, engine, compute, args),
+            }
+        if args.skip_serve:
+            continue
+        if not args.skip_llama:
+            port = peers.free_port()
+            llama = peers.Server(
+                "llama-server",
+                [str(peers.LLAMA_BIN), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                 "-np", str(args.clients), "-t", str(args.threads), "-c", str(ctx), "--cont-batching"],
+                BYO / f"{model}.llama-server.log", f"http://127.0.0.1:{port}", "content",
+            )  # fmt: skip
+            entry["llama"] = serve(llama, args, prompts)
+        for compute, e in entry["ifb"].items():
+            if not e["build"].get("ok"):
+                continue
+            port = peers.free_port()
+            server = peers.Server(
+                f"ifb {compute}",
+                [*ifb_cmd, "run", str(ROOT / e["engine"]), "--host", "127.0.0.1", "--port", str(port),
+                 "--threads", str(args.threads)],
+                BYO / f"{model}-{compute}.ifb-run.log", f"http://127.0.0.1:{port}", "prompt",
+            )  # fmt: skip
+            e["serve"] = serve(server, args, prompts)
+            if entry.get("llama", {}).get("ok") and e["serve"].get("ok"):
+                e["greedy_common_prefix_chars"] = [
+                    peers.common_prefix(a, b)
+                    for a, b in zip(entry["llama"]["single_texts"], e["serve"]["single_texts"], strict=True)
+                ]
+        # write after every model: a later model's failure keeps the earlier numbers
+        write_json(args, results, isa, ifb_desc, llama_build, ctx)
+
+    write_json(args, results, isa, ifb_desc, llama_build, ctx)
+    print()
+    print(f"CPU: {isa['model_name']} ({os.cpu_count()} cores), ISA: {isa['summary']}; kernel ISA in engine.json: "
+          f"{sorted({str(((e.get('build') or {}).get('engine_json') or {}).get('kernels', {}).get('isa')) for m in results.values() for e in m.get('ifb', {}).values() if (e.get('build') or {}).get('ok')})}")  # fmt: skip
+    print(f"ifb: {ifb_desc}; llama.cpp: llama-cpp-python {llama_build.get('version')}")
+    print(f"{args.prompt_tokens}-token prompts, {args.max_tokens} output tokens (ignore_eos, temperature 0), streaming "
+          f"/v1/completions; 1 stream = {args.single_requests} sequential requests; {args.clients} concurrent clients; "
+          f"llama-server -np {args.clients} -t {args.threads} -c {ctx}; ifb engines --max-batch-size "
+          f"{args.max_batch_size}, same KV tokens. Ratios in () are ifb / llama-server.")  # fmt: skip
+    print(table(results, args.clients))
+    for model, m in results.items():
+        for compute, e in m.get("ifb", {}).items():
+            if "greedy_common_prefix_chars" in e:
+                print(
+                    f"{model} ifb {compute}: greedy text common prefix with llama-server (chars): {e['greedy_common_prefix_chars']}"
+                )
+            b = e.get("build") or {}
+            if not b.get("ok"):
+                print(f"{model} ifb {compute}: build failed ({b.get('log')}); last lines:\n    "
+                      + "\n    ".join((b.get("log_tail") or "").strip().splitlines()[-4:]))  # fmt: skip
+    print(f"wrote {args.output.relative_to(ROOT) if args.output.is_relative_to(ROOT) else args.output}")
+
+
+def write_json(args, results, isa, ifb_desc, llama_build, ctx) -> None:
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({
+        "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "clients": args.clients,
+                     "single_requests": args.single_requests, "threads": args.threads, "llama_ctx": ctx,
+                     "max_batch_size": args.max_batch_size, "compute": args.compute, "build_args": args.build_args,
+                     "rss_cap_gb": args.rss_cap_gb},
+        "cpu": isa,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "memory_gb": gb(psutil.virtual_memory().total),
+        "ifb": ifb_desc,
+        "llama_cpp_build": llama_build,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "results": results,
+        "table": table(results, args.clients),
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
