@@ -1,15 +1,22 @@
-"""GGUF block formats Q4_0, Q4_1 and Q8_0: byte layouts, pure-torch dequantize and quantize.
+"""GGUF block formats (legacy 32-weight and K-quant 256-weight): byte layouts, pure-torch dequantize and quantize.
 
-A weight [N, K] is stored as N rows of K/32 blocks, exactly as in a GGUF file:
+A weight [N, K] is stored as N rows of K/block_weights blocks, exactly as in a GGUF file:
 
-    Q4_0  18 B: fp16 d | 16 B nibbles          w = (q - 8) * d
-    Q4_1  20 B: fp16 d | fp16 m | 16 B nibbles w = q * d + m      (two fp32 roundings)
-    Q8_0  34 B: fp16 d | 32 x int8             w = q * d
+    Q4_0   18 B: fp16 d | 16 B nibbles                     w = (q - 8) * d
+    Q4_1   20 B: fp16 d | fp16 m | 16 B nibbles            w = q * d + m      (two fp32 roundings)
+    Q8_0   34 B: fp16 d | 32 x int8                        w = q * d
+    Q5_0   22 B: fp16 d | u32 qh | 16 B nibbles            w = (q - 16) * d   (qh bit e: 5th bit of e)
+    Q5_1   24 B: fp16 d | fp16 m | u32 qh | 16 B nibbles   w = q * d + m
+    Q4_K  144 B: fp16 d | fp16 dmin | 12 B 6-bit scales/mins | 128 B nibbles       w = (d*sc) q - (dmin*m)
+    Q5_K  176 B: as Q4_K with 32 B of 5th bits before the nibbles
+    Q6_K  210 B: 128 B low nibbles | 64 B 2-bit highs | 16 x int8 scales | fp16 d  w = (d*sc) (q - 32)
 
-Nibble byte i of a block holds element i (low nibble) and element i + 16 (high nibble).
-`dequantize` reproduces `gguf.quants.dequantize` bit for bit (same fp32 operations in the same
-order); `quantize` is GGUF's round-to-nearest quantizer per 32-weight block, so HF weights
-quantized at build time give the bytes llama.cpp's `convert_hf_to_gguf.py` would write.
+Legacy nibble byte i holds element i (low nibble) and i + 16 (high). The K-quants' element order
+is in ../shared/gguf-formats.md (and `k_quant_values` below). `dequantize` reproduces
+`gguf.quants.dequantize` bit for bit (same fp32 operations in the same order); `quantize` is
+GGUF's round-to-nearest quantizer for the legacy 32-weight formats (gguf has none for the
+K-quants), so HF weights quantized at build time give the bytes llama.cpp's
+`convert_hf_to_gguf.py` would write.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from enum import Enum
 
 import torch
 
-BLOCK_SIZE = 32
+BLOCK_SIZE = 32  # weights of a legacy block, and of each sub-block the kernels step through
+SUPER_BLOCK = 256  # weights of a K-quant super-block
 
 
 class WeightFormat(str, Enum):
@@ -27,6 +35,11 @@ class WeightFormat(str, Enum):
     Q4_0 = "q4_0"
     Q4_1 = "q4_1"
     Q8_0 = "q8_0"
+    Q5_0 = "q5_0"
+    Q5_1 = "q5_1"
+    Q4_K = "q4_k"
+    Q5_K = "q5_k"
+    Q6_K = "q6_k"
     FP32 = "fp32"
 
     @property
@@ -47,14 +60,36 @@ class WeightCompute(str, Enum):
     INT8 = "int8"
 
 
-_BLOCK_BYTES = {WeightFormat.Q4_0: 18, WeightFormat.Q4_1: 20, WeightFormat.Q8_0: 34}
+# fmt -> (bytes, weights) of one block; plugins/csrc/quant_kernels.h's kFormats mirrors it.
+_BLOCKS = {
+    WeightFormat.Q4_0: (18, BLOCK_SIZE),
+    WeightFormat.Q4_1: (20, BLOCK_SIZE),
+    WeightFormat.Q8_0: (34, BLOCK_SIZE),
+    WeightFormat.Q5_0: (22, BLOCK_SIZE),
+    WeightFormat.Q5_1: (24, BLOCK_SIZE),
+    WeightFormat.Q4_K: (144, SUPER_BLOCK),
+    WeightFormat.Q5_K: (176, SUPER_BLOCK),
+    WeightFormat.Q6_K: (210, SUPER_BLOCK),
+}
+
+# GGUF tensor type name -> our format: the block types the kernels read as they are stored.
+GGUF_TYPE_NAMES: dict[str, WeightFormat] = {fmt.name: fmt for fmt in _BLOCKS}
+
+
+def _block(fmt: WeightFormat) -> tuple[int, int]:
+    if fmt not in _BLOCKS:
+        raise ValueError(f"{fmt.value} is not a block format")
+    return _BLOCKS[fmt]
 
 
 def block_bytes(fmt: WeightFormat) -> int:
-    """Bytes of one 32-weight block of `fmt`."""
-    if fmt not in _BLOCK_BYTES:
-        raise ValueError(f"{fmt.value} is not a block format")
-    return _BLOCK_BYTES[fmt]
+    """Bytes of one block of `fmt` (22 for Q5_0, 144 for a Q4_K super-block, ...)."""
+    return _block(fmt)[0]
+
+
+def block_weights(fmt: WeightFormat) -> int:
+    """Weights per block of `fmt` along K: 32, or 256 for the K-quants."""
+    return _block(fmt)[1]
 
 
 def _halves(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -67,20 +102,68 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
 
 
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 12 bytes [B, 12] -> 6-bit (scales, mins) [B, 8] as int32 (ggml's get_scale_min_k4)."""
+    s = scales.to(torch.int32)
+    low, mid, top = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([low & 63, (top & 15) | ((low >> 6) << 4)], dim=1)
+    mins = torch.cat([mid & 63, (top >> 4) | ((mid >> 6) << 4)], dim=1)
+    return sc, mins
+
+
+def k_quant_values(flat: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """The integer quant of each weight of K-quant super-blocks [B, bytes] -> [B, 256] int32
+    (Q6_K: 0..63, before the -32)."""
+    if fmt is WeightFormat.Q6_K:
+        ql = flat[:, :128].to(torch.int32).reshape(-1, 2, 64)
+        qh = flat[:, 128:192].to(torch.int32).reshape(-1, 2, 1, 32)
+        low = torch.cat([ql & 15, ql >> 4], dim=2)  # [B, half, 128]: weights 0..63 low, 64..127 high nibbles
+        high = (qh >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)) & 3  # [B, half, 4, 32]
+        return (low | (high.reshape(-1, 2, 128) << 4)).reshape(-1, SUPER_BLOCK)
+    qs = flat[:, -128:].to(torch.int32).reshape(-1, 4, 32)
+    values = torch.stack([qs & 15, qs >> 4], dim=2).reshape(-1, SUPER_BLOCK)  # chunk c: sub-blocks 2c, 2c+1
+    if fmt is WeightFormat.Q5_K:
+        qh = flat[:, 16:48].to(torch.int32).reshape(-1, 1, 32)
+        values = values | (((qh >> torch.arange(8).reshape(1, 8, 1)) & 1) << 4).reshape(-1, SUPER_BLOCK)
+    return values
+
+
+def legacy_high_bits(flat: torch.Tensor, offset: int) -> torch.Tensor:
+    """Q5_0/Q5_1: the uint32 qh at `offset` -> each weight's 5th bit, [B, 32] int32 times 16."""
+    qh = flat[:, offset : offset + 4].to(torch.int32)
+    bits = (qh[:, :, None] >> torch.arange(8).reshape(1, 1, 8)) & 1  # byte r bit t = weight 8r + t
+    return bits.reshape(-1, BLOCK_SIZE) << 4
+
+
 def dequantize(blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """uint8 [N, K/32 * block_bytes] -> fp32 [N, K], bit-equal to gguf.quants.dequantize."""
-    size = block_bytes(fmt)
+    """uint8 [N, K/block_weights * block_bytes] -> fp32 [N, K], bit-equal to gguf.quants.dequantize."""
+    size, weights_per_block = _block(fmt)
     rows = blocks.shape[0]
     flat = blocks.reshape(-1, size)
-    d = _halves(flat, 0)
-    if fmt is WeightFormat.Q4_0:
+    if fmt in (WeightFormat.Q4_K, WeightFormat.Q5_K):
+        sc, mins = _k_scales(flat[:, 4:16])
+        d_sc = _halves(flat, 0) * sc.to(torch.float32)  # numpy rounds d * sc, dmin * m, (d*sc) * q, then -
+        d_min = _halves(flat, 2) * mins.to(torch.float32)
+        q = k_quant_values(flat, fmt).to(torch.float32).reshape(-1, 8, BLOCK_SIZE)
+        weights = d_sc[..., None] * q - d_min[..., None]
+    elif fmt is WeightFormat.Q6_K:
+        d_sc = _halves(flat, 208) * flat[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+        q = (k_quant_values(flat, fmt) - 32).to(torch.float32).reshape(-1, 16, 16)
+        weights = d_sc[..., None] * q
+    elif fmt is WeightFormat.Q5_0:
+        q = ((_nibbles(flat[:, 6:]).to(torch.int32) | legacy_high_bits(flat, 2)) - 16).to(torch.float32)
+        weights = _halves(flat, 0) * q
+    elif fmt is WeightFormat.Q5_1:
+        q = (_nibbles(flat[:, 8:]).to(torch.int32) | legacy_high_bits(flat, 4)).to(torch.float32)
+        weights = (_halves(flat, 0) * q) + _halves(flat, 2)
+    elif fmt is WeightFormat.Q4_0:
         q = (_nibbles(flat[:, 2:]).to(torch.int8) - 8).to(torch.float32)
-        weights = d * q
+        weights = _halves(flat, 0) * q
     elif fmt is WeightFormat.Q4_1:
-        m = _halves(flat, 2)
-        weights = (d * _nibbles(flat[:, 4:]).to(torch.float32)) + m  # two roundings, as numpy
+        weights = (_halves(flat, 0) * _nibbles(flat[:, 4:]).to(torch.float32)) + _halves(flat, 2)  # two roundings
     else:
-        weights = flat[:, 2:].contiguous().view(torch.int8).to(torch.float32) * d
+        weights = flat[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _halves(flat, 0)
+    assert weights.numel() == flat.shape[0] * weights_per_block
     return weights.reshape(rows, -1)
 
 
@@ -126,5 +209,5 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
         q = _roundf(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
         fields = [_fp16_bytes(d), q]
     else:
-        raise ValueError(f"{fmt.value} is not a block format")
+        raise ValueError(f"quantize writes Q4_0, Q4_1 and Q8_0 only (GGUF files bring the others), got {fmt.value}")
     return torch.cat(fields, dim=1).reshape(rows, -1)

@@ -7,17 +7,38 @@ chain of fp32 FMAs over k = 0..K-1 of x[m, k] and the exact dequantized weight, 
 output is bitwise the same whatever M is, wherever the row sits in the batch and however many
 threads run (threads split output columns only).
 
-Packed layout (`pack`): N is padded to a multiple of 16 with zero blocks, and each group of 16
-output columns ("tile") stores its K/32 blocks as tile-blocks of 16 interleaved GGUF blocks:
+Packed layout (`pack` and `pack_int8`): N is padded to a multiple of 16 with zero blocks, and
+each group of 16 output columns ("tile") stores its K/block_weights GGUF blocks as tile-blocks
+of 16 interleaved blocks (one per column), so one vector load reads a field of all 16 columns.
+Sizes are GGUF's (16 x block_bytes): the values are GGUF's own bits, only moved, so the kernel's
+weights are exactly `quant_formats.dequantize`'s. A tile-block is its scale fields, then the
+bits above the nibbles (Q5: 5th bits; Q6_K: 2-bit highs), then the nibbles (or Q8_0's bytes):
 
-    Q4_0  d[16] fp16 | quants[16 rows][16 cols]            = 16 x 18 B
-    Q4_1  d[16] fp16 | m[16] fp16 | quants[16][16]         = 16 x 20 B
-    Q8_0  d[16] fp16 | quants[32 rows][16 cols] int8       = 16 x 34 B
+    Q4_0  d[16] | quants                   Q5_0  d[16] | qh | quants
+    Q4_1  d[16] | m[16] | quants           Q5_1  d[16] | m[16] | qh | quants
+    Q8_0  d[16] | int8 quants[32 k][16]
+    Q4_K  d[16] | dmin[16] | scales[12 bytes][16] | quants per sub-block s = 0..7
+    Q5_K  d[16] | dmin[16] | scales[12][16] | qh per sub-block | quants per sub-block
+    Q6_K  d[16] | scales[16 groups][16] int8 | highs per sub-block | quants per sub-block
 
-Q4 quants row i, byte c: column c's elements 2i (low nibble) and 2i+1 (high nibble). Q8 row i,
-byte c: column c's element i. The values are GGUF's own bits, only moved, so the dequantized
-weights are exactly those of `quant_formats.dequantize`. Tensor: uint8 [ceil(N/16), K/32 * 16 *
-block_bytes].
+(fp16 fields as [16 columns]; K-quants' 12 scale bytes and Q6_K's 16 scales as GGUF stores them,
+byte row r = byte r of every column.) Per 32-weight (sub-)block, 16 columns x 16 bytes of nibbles
+and the high bits, in two orders:
+
+    pack (exact):  nibbles row i, byte c: column c's weights 2i (low) and 2i+1 (high)
+                   qh: a uint32 per column, bit e = weight e's 5th bit
+                   Q6_K highs: 2 rows h of a uint32 per column, bits 2e' = weight 16h + e'
+                   Q8_0: row k, byte c = column c's weight k
+    pack_int8:     nibbles group g = 0..3, column c's 4-byte lane, byte b: weight 8g+b (low) and
+                   8g+4+b (high), so one 64-byte load is 16 columns x 4 consecutive k
+                   qh: lane byte b, bit g = weight 8g+b's, bit 4+g = weight 8g+4+b's 5th bit
+                   Q6_K highs: 2 vectors v, lane byte b, bits 2p = weight 16v+4p+b's highs
+                   Q8_0: group g = 0..7, lane byte b = weight 4g+b
+
+Tensor: uint8 [ceil(N/16), K/block_weights * 16 * block_bytes].
+
+`quant_embedding(ids, packed, ...)` gathers exact rows of W from either packing, so a tied
+embedding reads the LM head's tiles.
 
 AOTInductor calls the op through a C shim exported by the library (`AOTI_CONFIGS`), not through
 the proxy executor: see quant_build.py for the load order the runtime needs.
@@ -27,7 +48,17 @@ from __future__ import annotations
 
 import torch
 
-from ifb.plugins.quant_formats import BLOCK_SIZE, WeightFormat, block_bytes, dequantize
+from ifb.plugins.quant_formats import (
+    BLOCK_SIZE,
+    SUPER_BLOCK,
+    WeightCompute,
+    WeightFormat,
+    block_bytes,
+    block_weights,
+    dequantize,
+    k_quant_values,
+    legacy_high_bits,
+)
 
 TILE_COLUMNS = 16
 
@@ -39,6 +70,7 @@ _LIBRARY.define(
     "int block_size, float scale) -> Tensor"
 )
 _LIBRARY.define("quant_dequantize(Tensor packed, str format, int n, int k) -> Tensor")
+_LIBRARY.define("quant_embedding(Tensor ids, Tensor packed, str format, str compute, int n, int k) -> Tensor")
 
 # The shim's C declaration: AOTInductor emits `extern` + this and calls it for the op.
 QUANT_MATMUL_SHIM = (
@@ -47,6 +79,10 @@ QUANT_MATMUL_SHIM = (
 )
 
 QUANT_MATMUL_INT8_SHIM = QUANT_MATMUL_SHIM.replace("quant_matmul(", "quant_matmul_int8(")
+QUANT_EMBEDDING_SHIM = (
+    "AOTITorchError aoti_torch_cpu_quant_embedding(AtenTensorHandle ids, AtenTensorHandle packed, const char* format, "
+    "const char* compute, int64_t n, int64_t k, AtenTensorHandle* ret0)"
+)
 PAGED_DECODE_ATTENTION_SHIM = (
     "AOTITorchError aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_pool, "
     "AtenTensorHandle v_pool, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, int64_t block_size, "
@@ -55,11 +91,12 @@ PAGED_DECODE_ATTENTION_SHIM = (
 
 
 def aoti_configs() -> dict[str, object]:
-    """The inductor_configs entries that make AOTInductor call the matmul ops through their C shims."""
+    """The inductor_configs entries that make AOTInductor call our ops through their C shims."""
     shims = {
         torch.ops.ifb_quant.quant_matmul.default: [QUANT_MATMUL_SHIM],
         torch.ops.ifb_quant.quant_matmul_int8.default: [QUANT_MATMUL_INT8_SHIM],
         torch.ops.ifb_quant.paged_decode_attention.default: [PAGED_DECODE_ATTENTION_SHIM],
+        torch.ops.ifb_quant.quant_embedding.default: [QUANT_EMBEDDING_SHIM],
     }
     return {"aot_inductor.custom_ops_to_c_shims": shims}
 
@@ -94,6 +131,13 @@ def _quant_dequantize_fake(packed: torch.Tensor, format: str, n: int, k: int) ->
     return packed.new_empty((n, k), dtype=torch.float32)
 
 
+@torch.library.register_fake("ifb_quant::quant_embedding")
+def _quant_embedding_fake(
+    ids: torch.Tensor, packed: torch.Tensor, format: str, compute: str, n: int, k: int
+) -> torch.Tensor:
+    return packed.new_empty((*ids.shape, k), dtype=torch.float32)
+
+
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """x [..., k] fp32 @ W[n, k]^T with W packed by `pack`; needs the library loaded."""
     return torch.ops.ifb_quant.quant_matmul(x, packed, fmt.value, n, k)
@@ -109,68 +153,124 @@ def kernel_dequantize(packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -
     return torch.ops.ifb_quant.quant_dequantize(packed, fmt.value, n, k)
 
 
+def quant_embedding(
+    ids: torch.Tensor, packed: torch.Tensor, fmt: WeightFormat, compute: WeightCompute, n: int, k: int
+) -> torch.Tensor:
+    """Rows `ids` of W [n, k] as exact fp32 [*ids.shape, k], read from the tiles `pack` (compute fp32)
+    or `pack_int8` (compute int8) made; an id outside [0, n) raises. Needs the library loaded."""
+    return torch.ops.ifb_quant.quant_embedding(ids, packed, fmt.value, WeightCompute(compute).value, n, k)
+
+
 def num_tiles(n: int) -> int:
     return -(-n // TILE_COLUMNS)
 
 
-def _tile_block(blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """[T, nb, 16 cols, block_bytes] GGUF blocks -> [T, nb, 16 * block_bytes] tile-blocks."""
-    scale_bytes = 4 if fmt is WeightFormat.Q4_1 else 2
-    scales = blocks[..., :scale_bytes]
-    fields = [scales[..., 2 * i : 2 * i + 2].flatten(-2) for i in range(scale_bytes // 2)]
-    quants = blocks[..., scale_bytes:]
+def _quant_values(flat: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """GGUF blocks [B, bytes] of a nibble format -> each weight's unsigned quant [B, weights] int32."""
+    if block_weights(fmt) == SUPER_BLOCK:
+        return k_quant_values(flat, fmt)
+    nibble_at = {WeightFormat.Q4_0: 2, WeightFormat.Q4_1: 4, WeightFormat.Q5_0: 6, WeightFormat.Q5_1: 8}[fmt]
+    values = torch.cat([flat[:, nibble_at:] & 0x0F, flat[:, nibble_at:] >> 4], dim=-1).to(torch.int32)
+    if fmt in (WeightFormat.Q5_0, WeightFormat.Q5_1):
+        values = values | legacy_high_bits(flat, nibble_at - 4)
+    return values
+
+
+def _pack_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """Fields of `width` bits along the last dim (first field lowest) -> one uint8 per group."""
+    total = torch.zeros_like(bits[..., 0])
+    for j in range(bits.shape[-1]):
+        total = total | (bits[..., j] << (width * j))
+    return total.to(torch.uint8)
+
+
+def high_bits(fmt: WeightFormat) -> int:
+    """Bits of each quant above its nibble (stored apart): 1 for Q5_x, 2 for Q6_K."""
+    return {WeightFormat.Q5_0: 1, WeightFormat.Q5_1: 1, WeightFormat.Q5_K: 1, WeightFormat.Q6_K: 2}.get(fmt, 0)
+
+
+def _scale_fields(blocks: torch.Tensor, fmt: WeightFormat) -> list[torch.Tensor]:
+    """The per-block scalars of [.., 16 cols, bytes] blocks, each transposed to one row of 16 columns."""
+    fp16_at = {
+        WeightFormat.Q4_1: (0, 2),
+        WeightFormat.Q5_1: (0, 2),
+        WeightFormat.Q4_K: (0, 2),
+        WeightFormat.Q5_K: (0, 2),
+        WeightFormat.Q6_K: (208,),
+    }.get(fmt, (0,))
+    fields = [blocks[..., at : at + 2].flatten(-2) for at in fp16_at]
+    if fmt in (WeightFormat.Q4_K, WeightFormat.Q5_K):
+        fields.append(blocks[..., 4:16].transpose(-1, -2).flatten(-2))  # [12 bytes][16 cols]
+    elif fmt is WeightFormat.Q6_K:
+        fields.append(blocks[..., 192:208].transpose(-1, -2).flatten(-2))  # [16 scales][16 cols]
+    return fields
+
+
+def _tile_block_fields(blocks: torch.Tensor, fmt: WeightFormat, int8_layout: bool) -> torch.Tensor:
+    """[T, nb, 16 cols, block_bytes] GGUF blocks -> [T, nb, 16 * block_bytes] tile-blocks (see `pack`)."""
+    lead, size = blocks.shape[:-2], blocks.shape[-1]
+    flat = blocks.reshape(-1, TILE_COLUMNS, size)  # [B, col, bytes]
+    num = flat.shape[0]
+    fields = [field.reshape(num, -1) for field in _scale_fields(flat, fmt)]
     if fmt is WeightFormat.Q8_0:
-        fields.append(quants.transpose(-1, -2).flatten(-2))
+        quants = flat[..., 2:]
+        if int8_layout:  # [B, col, g, b] -> [B, g, col, b]
+            fields.append(quants.reshape(num, TILE_COLUMNS, 8, 4).transpose(1, 2).reshape(num, -1))
+        else:  # [B, k, col]
+            fields.append(quants.transpose(1, 2).reshape(num, -1))
+        return torch.cat(fields, dim=-1).reshape(*lead, -1)
+    subs = block_weights(fmt) // BLOCK_SIZE
+    q = _quant_values(flat.reshape(-1, size), fmt).reshape(num, TILE_COLUMNS, subs, BLOCK_SIZE)
+    low, high = q & 15, q >> 4
+    if int8_layout:
+        # byte b of column lane, group g: weight 8g + b (low nibble), 8g + 4 + b (high) -> [B, sub, g, col, b]
+        halves = low.reshape(num, TILE_COLUMNS, subs, 4, 2, 4).transpose(-1, -2)  # [.., g, b, half]
+        quants = _pack_bits(halves, 4).permute(0, 2, 3, 1, 4)
     else:
-        values = torch.cat([quants & 0x0F, quants >> 4], dim=-1)  # GGUF order: element e at e
-        pairs = values[..., 0::2] | (values[..., 1::2] << 4)  # byte i: elements 2i, 2i+1
-        fields.append(pairs.transpose(-1, -2).flatten(-2))
-    return torch.cat(fields, dim=-1)
-
-
-def pack(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
-    """GGUF rows of blocks uint8 [n, k/32 * block_bytes] -> the kernel's tile layout."""
-    tiles = _tiles(blocks, fmt, n, k)
-    return _tile_block(tiles, fmt).reshape(tiles.shape[0], -1).contiguous()
-
-
-def _tile_block_int8(blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """[T, nb, 16 cols, block_bytes] GGUF blocks -> [T, nb, 16 * block_bytes] int8-mode tile-blocks.
-
-    Scales as in `_tile_block`; quants in 64-byte groups with one 4-byte lane per column
-    (quant_matmul_int8.cpp): Q4 group g lane byte b = w[8g+b] | w[8g+4+b] << 4, Q8 = w[4g+b].
-    """
-    scale_bytes = 4 if fmt is WeightFormat.Q4_1 else 2
-    scales = blocks[..., :scale_bytes]
-    fields = [scales[..., 2 * i : 2 * i + 2].flatten(-2) for i in range(scale_bytes // 2)]
-    quants = blocks[..., scale_bytes:]
-    lead = quants.shape[:-2]
-    if fmt is WeightFormat.Q8_0:
-        lanes = quants.reshape(*lead, TILE_COLUMNS, 8, 4)  # [.., col, g, b]
-    else:
-        values = torch.cat([quants & 0x0F, quants >> 4], dim=-1).reshape(*lead, TILE_COLUMNS, 4, 8)
-        lanes = values[..., :4] | (values[..., 4:] << 4)  # [.., col, g, b]
-    fields.append(lanes.transpose(-3, -2).flatten(-3))  # [.., g, col, b]
-    return torch.cat(fields, dim=-1)
+        # row i, column byte: weights 2i (low nibble), 2i + 1 (high) -> [B, sub, i, col]
+        quants = _pack_bits(low.reshape(num, TILE_COLUMNS, subs, 16, 2), 4).permute(0, 2, 3, 1)
+    bits = high_bits(fmt)
+    if bits == 1 and not int8_layout:  # a uint32 per column: bit e = weight e's 5th bit -> [B, sub, col, byte]
+        fields.append(_pack_bits(high.reshape(num, TILE_COLUMNS, subs, 4, 8), 1).transpose(1, 2).reshape(num, -1))
+    elif bits == 1:  # byte b of a column: bit g = weight 8g + b, bit 4 + g = weight 8g + 4 + b
+        pieces = high.reshape(num, TILE_COLUMNS, subs, 4, 2, 4).permute(0, 1, 2, 5, 4, 3).flatten(-2)  # [.., b, 4h+g]
+        fields.append(_pack_bits(pieces, 1).transpose(1, 2).reshape(num, -1))
+    elif bits == 2 and not int8_layout:  # rows h of a uint32 per column, bits 2e' = weight 16h + e'
+        # -> [B, sub, h, col, byte]
+        pieces = high.reshape(num, TILE_COLUMNS, subs, 2, 4, 4)  # [.., h, byte, t]: weight 16h + 4 byte + t
+        fields.append(_pack_bits(pieces, 2).permute(0, 2, 3, 1, 4).reshape(num, -1))
+    elif bits == 2:  # vector v, byte b: bits 2p = weight 16v + 4p + b -> [B, sub, v, col, b]
+        pieces = high.reshape(num, TILE_COLUMNS, subs, 2, 4, 4).transpose(-1, -2)  # [.., v, b, p]
+        fields.append(_pack_bits(pieces, 2).permute(0, 2, 3, 1, 4).reshape(num, -1))
+    fields.append(quants.reshape(num, -1))
+    return torch.cat(fields, dim=-1).reshape(*lead, -1)
 
 
 def _tiles(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """GGUF rows of blocks -> [tiles, nb, 16 cols, block_bytes], N padded with zero blocks."""
-    size = block_bytes(fmt)
-    num_blocks = k // BLOCK_SIZE
-    if k % BLOCK_SIZE or blocks.shape != (n, num_blocks * size) or blocks.dtype != torch.uint8:
-        raise ValueError(f"expected uint8 [{n}, {num_blocks * size}] {fmt.value} blocks, got {tuple(blocks.shape)}")
+    size, weights = block_bytes(fmt), block_weights(fmt)
+    num_blocks = k // weights
+    if k % weights or blocks.shape != (n, num_blocks * size) or blocks.dtype != torch.uint8:
+        raise ValueError(
+            f"expected uint8 [{n}, {num_blocks * size}] {fmt.value} blocks with K a multiple of {weights}, "
+            f"got {tuple(blocks.shape)} for K={k}"
+        )
     tiles = num_tiles(n)
     padded = blocks.new_zeros((tiles * TILE_COLUMNS, num_blocks * size))
     padded[:n] = blocks
     return padded.reshape(tiles, TILE_COLUMNS, num_blocks, size).transpose(1, 2)
 
 
-def pack_int8(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
-    """GGUF rows of blocks uint8 [n, k/32 * block_bytes] -> the int8-compute kernel's tiles
-    (same shape as `pack`'s, the same bytes rearranged)."""
+def pack(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
+    """GGUF rows of blocks uint8 [n, k/block_weights * block_bytes] -> the exact kernel's tiles."""
     tiles = _tiles(blocks, fmt, n, k)
-    return _tile_block_int8(tiles, fmt).reshape(tiles.shape[0], -1).contiguous()
+    return _tile_block_fields(tiles, fmt, int8_layout=False).reshape(tiles.shape[0], -1).contiguous()
+
+
+def pack_int8(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
+    """GGUF rows of blocks -> the int8-compute kernel's tiles (same shape as `pack`'s, bytes rearranged)."""
+    tiles = _tiles(blocks, fmt, n, k)
+    return _tile_block_fields(tiles, fmt, int8_layout=True).reshape(tiles.shape[0], -1).contiguous()
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +284,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_matmul_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """What the int8 kernel computes, in float64: quantized x @ dequantize(blocks)^T."""
+    """What the int8 kernel computes, in float64: quantized x @ dequantize(blocks)^T (every format:
+    activations are quantized per 32 whatever the weight's block size)."""
     q, d = quantize_activations(x.reshape(-1, x.shape[-1]))
     x_hat = q.to(torch.float64).reshape(q.shape[0], -1, BLOCK_SIZE) * d.to(torch.float64)[..., None]
     return x_hat.reshape(q.shape) @ dequantize(blocks, fmt).to(torch.float64).T

@@ -10,8 +10,6 @@
 // Every item is computed alone, in one fixed order, so a request's output is bitwise the same
 // whatever else is in the step and however the threads split the items (threads take whole items).
 // Pools may hold fp32, fp16 or bf16 (`--kv-dtype`); each element is widened to fp32 on load.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -21,86 +19,13 @@
 #include <vector>
 
 #include "quant_kernels.h"
+#include "simd16.h"
 
 namespace ifb_quant {
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-struct V {
-  __m512 a;
-};
-inline V zero() { return {_mm512_setzero_ps()}; }
-inline V broadcast(float x) { return {_mm512_set1_ps(x)}; }
-inline V load(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline V load(const uint16_t* p, KvType type) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if (type == KvType::kFloat16) return {_mm512_cvtph_ps(raw)};
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
-}
-inline void store(float* p, V v) { _mm512_storeu_ps(p, v.a); }
-inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.a, b.a, c.a)}; }
-inline V mul(V a, V b) { return {_mm512_mul_ps(a.a, b.a)}; }
-inline V add(V a, V b) { return {_mm512_add_ps(a.a, b.a)}; }
-inline V sub(V a, V b) { return {_mm512_sub_ps(a.a, b.a)}; }
-inline V max(V a, V b) { return {_mm512_max_ps(a.a, b.a)}; }
-inline float sum_lanes(V v) { return _mm512_reduce_add_ps(v.a); }
-inline float max_lanes(V v) { return _mm512_reduce_max_ps(v.a); }
-inline V round_nearest(V v) { return {_mm512_roundscale_ps(v.a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
-// 2^n for integral n in [-126, 127], exactly, through the exponent field.
-inline V pow2(V n) {
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.a), _mm512_set1_epi32(127)), 23);
-  return {_mm512_castsi512_ps(bits)};
-}
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-struct V {
-  __m256 lo, hi;
-};
-inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline V broadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline __m256 widen(__m128i raw, KvType type) {
-  if (type == KvType::kFloat16) return _mm256_cvtph_ps(raw);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline V load(const uint16_t* p, KvType type) {
-  return {widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), type),
-          widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)), type)};
-}
-inline void store(float* p, V v) {
-  _mm256_storeu_ps(p, v.lo);
-  _mm256_storeu_ps(p + 8, v.hi);
-}
-inline V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-inline V max(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-inline float sum_lanes(V v) {
-  alignas(32) float lanes[16];
-  store(lanes, v);
-  float total = 0.0f;
-  for (float lane : lanes) total += lane;
-  return total;
-}
-inline float max_lanes(V v) {
-  alignas(32) float lanes[16];
-  store(lanes, v);
-  return *std::max_element(lanes, lanes + 16);
-}
-inline V round_nearest(V v) {
-  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
-}
-inline __m256 pow2_half(__m256 n) {
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_castsi256_ps(bits);
-}
-inline V pow2(V n) { return {pow2_half(n.lo), pow2_half(n.hi)}; }
-#else
-#error "paged_decode_attention.cpp needs -mavx512f -mavx512bw -mavx512vl or -mavx2 -mfma -mf16c"
-#endif
-
-constexpr int kLanes = 16;
+// A pool row of fp16 or bf16, widened to fp32 (exact).
+inline V load(const uint16_t* p, KvType type) { return type == KvType::kFloat16 ? halves(p) : bfloats(p); }
 
 // exp(x) for x <= 0 (softmax arguments): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
 // polynomial (relative error < 2e-7, a few ulp), times 2^n. Below -87 the result is 0, as

@@ -23,19 +23,23 @@
 namespace ifb_quant {
 namespace {
 
+// The names are the values of plugins/quant_formats.py's WeightFormat, listed once in kFormats.
 Format parse_format(c10::string_view name) {
-  if (name == "q4_0") return Format::kQ4_0;
-  if (name == "q4_1") return Format::kQ4_1;
-  if (name == "q8_0") return Format::kQ8_0;
-  TORCH_CHECK(false, "ifb_quant: unknown block format '", std::string(name), "' (q4_0, q4_1, q8_0)");
+  std::string known;
+  for (const FormatInfo& info : kFormats) {
+    if (name == info.name) return info.format;
+    known += known.empty() ? info.name : std::string(", ") + info.name;
+  }
+  TORCH_CHECK(false, "ifb_quant: unknown block format '", std::string(name), "' (", known, ")");
 }
 
 void check_packed(const at::Tensor& packed, Format format, int64_t n, int64_t k) {
-  TORCH_CHECK(n > 0 && k > 0 && k % kBlockSize == 0, "ifb_quant: k must be a positive multiple of 32, got n=", n,
-              " k=", k);
+  const int64_t weights = block_weights(format);
+  TORCH_CHECK(n > 0 && k > 0 && k % weights == 0, "ifb_quant: k must be a positive multiple of ", weights, " for ",
+              format_info(format).name, ", got n=", n, " k=", k);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "ifb_quant: packed weights must be a contiguous CPU uint8 tensor");
-  const int64_t expected = num_tiles(n) * (k / kBlockSize) * kTileColumns * block_bytes(format);
+  const int64_t expected = num_tiles(n) * (k / weights) * kTileColumns * block_bytes(format);
   TORCH_CHECK(packed.numel() == expected, "ifb_quant: packed weights hold ", packed.numel(), " bytes, expected ",
               expected, " for n=", n, " k=", k);
 }
@@ -80,14 +84,17 @@ at::Tensor quant_matmul_int8(const at::Tensor& x, const at::Tensor& packed, c10:
   at::Tensor scales = at::empty({m, num_blocks}, x.options());
   at::Tensor sums = at::empty({m, num_blocks}, x.options().dtype(at::kInt));
   at::Tensor scaled_sums = at::empty({m, num_blocks}, x.options());
-  const Int8Activations activations{xq.mutable_data_ptr<int8_t>(), k, scales.mutable_data_ptr<float>(),
-                                    sums.mutable_data_ptr<int32_t>(), scaled_sums.mutable_data_ptr<float>(),
+  at::Tensor half_sums = at::empty({m, 2 * num_blocks}, x.options().dtype(at::kInt));
+  const Int8Activations activations{xq.mutable_data_ptr<int8_t>(),      k,
+                                    scales.mutable_data_ptr<float>(),   sums.mutable_data_ptr<int32_t>(),
+                                    scaled_sums.mutable_data_ptr<float>(), half_sums.mutable_data_ptr<int32_t>(),
                                     num_blocks};
   at::parallel_for(0, m, std::max<int64_t>(1, 4096 / k), [&](int64_t begin, int64_t end) {
     quantize_rows_int8(rows.const_data_ptr<float>(), k, k, begin, end, activations);
   });
   const Int8Problem problem{xq.const_data_ptr<int8_t>(), k, scales.const_data_ptr<float>(),
-                            sums.const_data_ptr<int32_t>(), scaled_sums.const_data_ptr<float>(), num_blocks,
+                            sums.const_data_ptr<int32_t>(), scaled_sums.const_data_ptr<float>(),
+                            half_sums.const_data_ptr<int32_t>(), num_blocks,
                             packed.const_data_ptr<uint8_t>(), y.mutable_data_ptr<float>(), n, m, n, k, format};
   at::parallel_for(0, num_tiles(n), grain_tiles(m, k),
                    [&](int64_t begin, int64_t end) { run_tiles_int8(problem, begin, end); });
@@ -156,6 +163,36 @@ at::Tensor quant_dequantize(const at::Tensor& packed, c10::string_view format_na
   return w;
 }
 
+// Which packing a compute mode reads: the values of quant_formats.py's WeightCompute.
+bool int8_layout(c10::string_view compute) {
+  if (compute == "int8") return true;
+  TORCH_CHECK(compute == "fp32", "ifb_quant: unknown compute mode '", std::string(compute), "' (fp32, int8)");
+  return false;
+}
+
+// Rows ids of W [n, k], exact fp32, from tiles packed for `compute` (a tied head's own tiles).
+at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& packed, c10::string_view format_name,
+                           c10::string_view compute, int64_t n, int64_t k) {
+  const Format format = parse_format(format_name);
+  const bool int8 = int8_layout(compute);
+  check_packed(packed, format, n, k);
+  TORCH_CHECK(ids.device().is_cpu() && (ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt),
+              "ifb_quant: ids must be a CPU int64 or int32 tensor, got ", ids.scalar_type());
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t count = flat.numel();
+  const int64_t* id_data = flat.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)  // the kernel trusts them: one check each, before any read
+    TORCH_CHECK(id_data[i] >= 0 && id_data[i] < n, "ifb_quant: embedding id ", id_data[i], " at position ", i,
+                " is outside the table of ", n, " rows");
+  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
+  out_shape.push_back(k);
+  at::Tensor out = at::empty(out_shape, packed.options().dtype(at::kFloat));
+  at::parallel_for(0, count, std::max<int64_t>(1, 8192 / k), [&](int64_t begin, int64_t end) {
+    gather_rows(packed.const_data_ptr<uint8_t>(), format, int8, n, k, id_data, begin, end, out.mutable_data_ptr<float>());
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace ifb_quant
 
@@ -163,6 +200,7 @@ TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) {
   m.impl("quant_matmul", &ifb_quant::quant_matmul);
   m.impl("quant_matmul_int8", &ifb_quant::quant_matmul_int8);
   m.impl("quant_dequantize", &ifb_quant::quant_dequantize);
+  m.impl("quant_embedding", &ifb_quant::quant_embedding);
   m.impl("paged_decode_attention", &ifb_quant::paged_decode_attention);
 }
 
@@ -204,6 +242,17 @@ IFB_EXPORT AOTITorchError aoti_torch_cpu_paged_decode_attention(AtenTensorHandle
         *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k_pool),
         *tensor_handle_to_tensor_pointer(v_pool), *tensor_handle_to_tensor_pointer(block_tables),
         *tensor_handle_to_tensor_pointer(seq_lens), block_size, scale);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_embedding(AtenTensorHandle ids, AtenTensorHandle packed,
+                                                          const char* format, const char* compute, int64_t n,
+                                                          int64_t k, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = ifb_quant::quant_embedding(*tensor_handle_to_tensor_pointer(ids),
+                                                *tensor_handle_to_tensor_pointer(packed), format, compute, n, k);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
   });
 }

@@ -8,10 +8,25 @@
 
 namespace ifb_quant {
 
-enum class Format : int32_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum class Format : int32_t { kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
+
+// The one table of block formats: the name the Python enum's value spells, GGUF block bytes and
+// weights per block along K.
+struct FormatInfo {
+  const char* name;
+  Format format;
+  int64_t bytes;
+  int64_t weights;
+};
+constexpr FormatInfo kFormats[] = {
+    {"q4_0", Format::kQ4_0, 18, 32},   {"q4_1", Format::kQ4_1, 20, 32},   {"q8_0", Format::kQ8_0, 34, 32},
+    {"q5_0", Format::kQ5_0, 22, 32},   {"q5_1", Format::kQ5_1, 24, 32},   {"q4_k", Format::kQ4_K, 144, 256},
+    {"q5_k", Format::kQ5_K, 176, 256}, {"q6_k", Format::kQ6_K, 210, 256},
+};
+constexpr const FormatInfo& format_info(Format format) { return kFormats[static_cast<int32_t>(format)]; }
 
 constexpr int64_t kTileColumns = 16;  // output columns per packed tile (one AVX-512 register)
-constexpr int64_t kBlockSize = 32;    // weights per GGUF block along K
+constexpr int64_t kBlockSize = 32;    // weights per (sub-)block the kernels step through along K
 
 // One y[M,N] = x[M,K] @ W[N,K]^T problem over tile-packed weights (see quant_ops.py).
 struct Problem {
@@ -26,8 +41,10 @@ struct Problem {
   Format format;
 };
 
-// Bytes of one GGUF block (18, 20, 34); a packed tile-block holds kTileColumns of them.
-int64_t block_bytes(Format format);
+// Bytes of one GGUF block (18 ... 210); a packed tile-block holds kTileColumns of them.
+constexpr int64_t block_bytes(Format format) { return format_info(format).bytes; }
+// Weights per GGUF block along K: 32, or 256 for the K-quants' super-blocks.
+constexpr int64_t block_weights(Format format) { return format_info(format).weights; }
 
 // Number of column tiles: ceil(n / kTileColumns). Threads split [0, num_tiles) only.
 int64_t num_tiles(int64_t n);
@@ -47,6 +64,7 @@ struct Int8Activations {
   float* x_scales;        // [m, k / 32]: d_x
   int32_t* x_sums;        // [m, k / 32]: sum of the block's int8 values
   float* x_scaled_sums;   // [m, k / 32]: d_x * sum
+  int32_t* x_half_sums;   // [m, k / 16]: sums of each 16 values (Q6_K's scale groups)
   int64_t blocks_row_stride;
 };
 
@@ -56,6 +74,7 @@ struct Int8Problem {
   const float* x_scales;
   const int32_t* x_sums;
   const float* x_scaled_sums;
+  const int32_t* x_half_sums;  // row stride 2 * blocks_row_stride
   int64_t blocks_row_stride;
   const uint8_t* packed;  // plugins/quant_ops.py::pack_int8 layout
   float* y;
@@ -72,6 +91,15 @@ void quantize_rows_int8(const float* x, int64_t x_row_stride, int64_t k, int64_t
 
 // The int8-compute counterpart of run_tiles: output columns of tiles [tile_begin, tile_end).
 void run_tiles_int8(const Int8Problem& problem, int64_t tile_begin, int64_t tile_end);
+
+// dequantize_tiles for the pack_int8 layout (the same exact weights, read from its byte order).
+void dequantize_tiles_int8(const uint8_t* packed, Format format, int64_t n, int64_t k, float* out,
+                           int64_t tile_begin, int64_t tile_end);
+
+// Embedding gather: out[i, :] = W[ids[i], :] for i in [row_begin, row_end), exact fp32, read from
+// tiles packed for compute mode `int8_layout` (pack_int8) or not (pack). ids checked by the caller.
+void gather_rows(const uint8_t* packed, Format format, bool int8_layout, int64_t n, int64_t k, const int64_t* ids,
+                 int64_t row_begin, int64_t row_end, float* out);
 
 // "vnni" or "maddubs": how the int8 path forms its integer dot products.
 const char* int8_dot_path();

@@ -19,20 +19,19 @@
 // chains in y between chunks (an exact fp32 store/load). Threads only ever split tiles.
 //
 // Compiled with -ffp-contract=off: every rounding below is spelled out by an intrinsic.
-#include "quant_kernels.h"
-
-#include <immintrin.h>
-
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
 #include <vector>
 
+#include "block_formats.h"
+#include "quant_kernels.h"
+
 namespace ifb_quant {
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(IFB_SIMD16_AVX512)
 #if defined(__AVX512VNNI__)
 constexpr const char* kIsa = "avx512_vnni";  // only the int8 compute mode uses VNNI
 #else
@@ -41,79 +40,11 @@ constexpr const char* kIsa = "avx512";
 // 12 rows x 2 tiles = 24 accumulators of the 32 zmm registers.
 constexpr int kPanelTiles = 2;
 constexpr int kPanelRows = 12;
-
-struct V {  // 16 fp32 lanes: one per output column of a tile
-  __m512 a;
-};
-struct QI {  // 16 int32 lanes
-  __m512i a;
-};
-inline V zero() { return {_mm512_setzero_ps()}; }
-inline V load(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline void store(float* p, V v) { _mm512_storeu_ps(p, v.a); }
-inline V broadcast(float x) { return {_mm512_set1_ps(x)}; }
-inline V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.a, b.a, c.a)}; }
-inline V mul(V a, V b) { return {_mm512_mul_ps(a.a, b.a)}; }
-inline V sub(V a, V b) { return {_mm512_sub_ps(a.a, b.a)}; }
-inline V halves(const uint8_t* p) {
-  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
-}
-inline QI bytes_unsigned(const uint8_t* p) {
-  return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
-}
-inline QI bytes_signed(const uint8_t* p) {
-  return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
-}
-inline QI low_nibble(QI q) { return {_mm512_and_si512(q.a, _mm512_set1_epi32(15))}; }
-inline QI high_nibble(QI q) { return {_mm512_srli_epi32(q.a, 4)}; }
-inline V to_float(QI q) { return {_mm512_cvtepi32_ps(q.a)}; }
-
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#else
 constexpr const char* kIsa = "avx2";
 // 6 rows x 1 tile x 2 ymm = 12 accumulators of the 16 ymm registers.
 constexpr int kPanelTiles = 1;
 constexpr int kPanelRows = 6;
-
-struct V {
-  __m256 lo, hi;
-};
-struct QI {
-  __m256i lo, hi;
-};
-inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void store(float* p, V v) {
-  _mm256_storeu_ps(p, v.lo);
-  _mm256_storeu_ps(p + 8, v.hi);
-}
-inline V broadcast(float x) {
-  const __m256 b = _mm256_set1_ps(x);
-  return {b, b};
-}
-inline V fmadd(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-inline V halves(const uint8_t* p) {
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
-}
-inline QI bytes_unsigned(const uint8_t* p) {
-  return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
-}
-inline QI bytes_signed(const uint8_t* p) {
-  return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
-          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
-}
-inline QI low_nibble(QI q) {
-  const __m256i mask = _mm256_set1_epi32(15);
-  return {_mm256_and_si256(q.lo, mask), _mm256_and_si256(q.hi, mask)};
-}
-inline QI high_nibble(QI q) { return {_mm256_srli_epi32(q.lo, 4), _mm256_srli_epi32(q.hi, 4)}; }
-inline V to_float(QI q) { return {_mm256_cvtepi32_ps(q.lo), _mm256_cvtepi32_ps(q.hi)}; }
-
-#else
-#error "quant_matmul.cpp needs -mavx512f -mavx512bw -mavx512vl or -mavx2 -mfma -mf16c"
 #endif
 
 // Small M dequantizes each weight in registers right before its FMAs; above this many rows the
@@ -139,46 +70,6 @@ constexpr int direct_tiles_for(int rows) {
 // of panel stays in L1 while every row block reads it (the whole K panel spilled to L2).
 constexpr int64_t kChunkBlocks = 4;
 
-template <Format F>
-constexpr int64_t tile_block_bytes() {
-  return (F == Format::kQ4_0 ? 18 : F == Format::kQ4_1 ? 20 : 34) * kTileColumns;
-}
-
-// The exact fp32 weights of one tile-block, two consecutive k at a time.
-template <Format F>
-struct Decoder {
-  V d, m;
-  const uint8_t* quants;
-
-  explicit Decoder(const uint8_t* block) : d(halves(block)), m(zero()), quants(block + 32) {
-    if constexpr (F == Format::kQ4_1) {
-      m = halves(block + 32);
-      quants = block + 64;
-    }
-  }
-
-  // Weights of k = 2i and 2i + 1 within the block.
-  inline void pair(int i, V& w0, V& w1) const {
-    if constexpr (F == Format::kQ8_0) {
-      w0 = mul(to_float(bytes_signed(quants + 32 * i)), d);  // numpy: x * d
-      w1 = mul(to_float(bytes_signed(quants + 32 * i + 16)), d);
-    } else {
-      const QI q = bytes_unsigned(quants + 16 * i);
-      if constexpr (F == Format::kQ4_0) {
-        // (q - 8) is exact; the product has at most 4 + 11 significant bits: exact, as numpy's.
-        const V eight = broadcast(8.0f);
-        w0 = mul(d, sub(to_float(low_nibble(q)), eight));
-        w1 = mul(d, sub(to_float(high_nibble(q)), eight));
-      } else {
-        // numpy rounds d * q, then + m. d * q has at most 4 + 11 significant bits, so that
-        // rounding is exact and one FMA rounds the sum exactly as numpy's add does.
-        w0 = fmadd(to_float(low_nibble(q)), d, m);
-        w1 = fmadd(to_float(high_nibble(q)), d, m);
-      }
-    }
-  }
-};
-
 inline void store_columns(float* dst, V v, int64_t valid) {
   if (valid >= kTileColumns) {
     store(dst, v);
@@ -200,18 +91,19 @@ inline V load_columns(const float* src, int64_t valid) {
 template <Format F, int R, int T>
 void direct_tiles(const Problem& p, int64_t tile0, int64_t row0) {
   const int64_t num_blocks = p.k / kBlockSize;
-  const int64_t tile_stride = num_blocks * tile_block_bytes<F>();
-  const uint8_t* blocks = p.packed + tile0 * tile_stride;
+  const int64_t stride = tile_stride<F>(p.k);
+  const uint8_t* tiles = p.packed + tile0 * stride;
   const float* x = p.x + row0 * p.x_row_stride;
   V acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = zero();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const float* xb = x + b * kBlockSize;
-    const uint8_t* block = blocks + b * tile_block_bytes<F>();
+    Block<F> block[T];
+    for (int t = 0; t < T; ++t) block[t] = Block<F>(tiles + t * stride, b);
     for (int i = 0; i < 16; ++i) {
       V w[2][T];
-      for (int t = 0; t < T; ++t) Decoder<F>(block + t * tile_stride).pair(i, w[0][t], w[1][t]);
+      for (int t = 0; t < T; ++t) block[t].exact_pair(i, w[0][t], w[1][t]);
       for (int h = 0; h < 2; ++h) {
         for (int r = 0; r < R; ++r) {
           const V xv = broadcast(xb[r * p.x_row_stride + 2 * i + h]);
@@ -230,15 +122,14 @@ void direct_tiles(const Problem& p, int64_t tile0, int64_t row0) {
 // consecutive tiles, k-major.
 template <Format F>
 void dequantize_panel(const Problem& p, int64_t tile0, int tiles, int64_t block0, int64_t num_blocks, float* panel) {
-  const int64_t tile_stride = (p.k / kBlockSize) * tile_block_bytes<F>();
   const int64_t stride = tiles * kTileColumns;
   for (int t = 0; t < tiles; ++t) {
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const Decoder<F> decoder(p.packed + (tile0 + t) * tile_stride + (block0 + b) * tile_block_bytes<F>());
+      const Block<F> block(p.packed + (tile0 + t) * tile_stride<F>(p.k), block0 + b);
       float* out = panel + b * kBlockSize * stride + t * kTileColumns;
       for (int i = 0; i < 16; ++i) {
         V w0, w1;
-        decoder.pair(i, w0, w1);
+        block.exact_pair(i, w0, w1);
         store(out + 2 * i * stride, w0);
         store(out + (2 * i + 1) * stride, w1);
       }
@@ -324,46 +215,79 @@ void run_format(const Problem& p, int64_t tile_begin, int64_t tile_end) {
 
 }  // namespace
 
-int64_t block_bytes(Format format) {
-  return format == Format::kQ4_0 ? 18 : format == Format::kQ4_1 ? 20 : 34;
-}
-
 int64_t num_tiles(int64_t n) { return (n + kTileColumns - 1) / kTileColumns; }
 
 void run_tiles(const Problem& problem, int64_t tile_begin, int64_t tile_end) {
-  switch (problem.format) {
-    case Format::kQ4_0:
-      run_format<Format::kQ4_0>(problem, tile_begin, tile_end);
-      break;
-    case Format::kQ4_1:
-      run_format<Format::kQ4_1>(problem, tile_begin, tile_end);
-      break;
-    case Format::kQ8_0:
-      run_format<Format::kQ8_0>(problem, tile_begin, tile_end);
-      break;
+  with_format(problem.format, [&](auto f) { run_format<decltype(f)::value>(problem, tile_begin, tile_end); });
+}
+
+namespace {
+
+// The exact weights of 32-block b of one tile as out[32 k][16 columns], from either packing.
+template <Format F, bool kInt8Layout>
+void decode_block(const uint8_t* tile, int64_t b, float* out) {
+  const Block<F> block(tile, b);
+  if constexpr (kInt8Layout) {
+    for (int e = 0; e < kBlockSize; ++e) store(out + e * kTileColumns, block.int8_weight(e));
+  } else {
+    for (int i = 0; i < 16; ++i) {
+      V w0, w1;
+      block.exact_pair(i, w0, w1);
+      store(out + 2 * i * kTileColumns, w0);
+      store(out + (2 * i + 1) * kTileColumns, w1);
+    }
   }
 }
 
+template <bool kInt8Layout>
+void dequantize_any(const uint8_t* packed, Format format, int64_t n, int64_t k, float* out, int64_t tile_begin,
+                    int64_t tile_end) {
+  with_format(format, [&](auto f) {
+    constexpr Format F = decltype(f)::value;
+    alignas(64) float block[kBlockSize * kTileColumns];
+    for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+      const int64_t columns = std::min<int64_t>(kTileColumns, n - tile * kTileColumns);
+      for (int64_t b = 0; b < k / kBlockSize; ++b) {
+        decode_block<F, kInt8Layout>(packed + tile * tile_stride<F>(k), b, block);
+        for (int64_t c = 0; c < columns; ++c)
+          for (int e = 0; e < kBlockSize; ++e) out[(tile * kTileColumns + c) * k + b * kBlockSize + e] = block[e * kTileColumns + c];
+      }
+    }
+  });
+}
+
+}  // namespace
+
 void dequantize_tiles(const uint8_t* packed, Format format, int64_t n, int64_t k, float* out,
                       int64_t tile_begin, int64_t tile_end) {
-  Problem p{nullptr, 0, packed, nullptr, 0, 0, n, k, format};
-  std::vector<float> panel(static_cast<size_t>(k * kTileColumns));
-  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    switch (format) {
-      case Format::kQ4_0:
-        dequantize_panel<Format::kQ4_0>(p, tile, 1, 0, k / kBlockSize, panel.data());
-        break;
-      case Format::kQ4_1:
-        dequantize_panel<Format::kQ4_1>(p, tile, 1, 0, k / kBlockSize, panel.data());
-        break;
-      case Format::kQ8_0:
-        dequantize_panel<Format::kQ8_0>(p, tile, 1, 0, k / kBlockSize, panel.data());
-        break;
+  dequantize_any<false>(packed, format, n, k, out, tile_begin, tile_end);
+}
+
+void dequantize_tiles_int8(const uint8_t* packed, Format format, int64_t n, int64_t k, float* out,
+                           int64_t tile_begin, int64_t tile_end) {
+  dequantize_any<true>(packed, format, n, k, out, tile_begin, tile_end);
+}
+
+// Decodes the whole 16-column tile-block and keeps one column: the vector decode costs what a
+// scalar one of that column would, and it is the matmul's own decoder (hence its exact bits).
+void gather_rows(const uint8_t* packed, Format format, bool int8_layout, int64_t n, int64_t k, const int64_t* ids,
+                 int64_t row_begin, int64_t row_end, float* out) {
+  (void)n;
+  with_format(format, [&](auto f) {
+    constexpr Format F = decltype(f)::value;
+    alignas(64) float block[kBlockSize * kTileColumns];
+    for (int64_t row = row_begin; row < row_end; ++row) {
+      const uint8_t* tile = packed + ids[row] / kTileColumns * tile_stride<F>(k);
+      const int64_t c = ids[row] % kTileColumns;
+      for (int64_t b = 0; b < k / kBlockSize; ++b) {
+        if (int8_layout)
+          decode_block<F, true>(tile, b, block);
+        else
+          decode_block<F, false>(tile, b, block);
+        for (int e = 0; e < kBlockSize; ++e) out[row * k + b * kBlockSize + e] = block[e * kTileColumns + c];
+      }
     }
-    const int64_t columns = std::min<int64_t>(kTileColumns, n - tile * kTileColumns);
-    for (int64_t c = 0; c < columns; ++c)
-      for (int64_t kk = 0; kk < k; ++kk) out[(tile * kTileColumns + c) * k + kk] = panel[kk * kTileColumns + c];
-  }
+  });
 }
 
 const char* isa_name() { return kIsa; }

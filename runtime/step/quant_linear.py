@@ -1,11 +1,12 @@
-"""QuantLinear: a linear layer whose weight is stored as packed GGUF blocks (Q4_0/Q4_1/Q8_0).
+"""QuantLinear: a linear layer whose weight is stored as packed GGUF blocks (any block `WeightFormat`).
 
 The packed tiles are a persistent uint8 buffer, so they are saved and loaded with the other
 weights and AOTInductor's freezing keeps them as uint8 constants fed to the op. With the default
 compute mode activations stay fp32: the kernel dequantizes each block in registers and
 accumulates one serial fp32 FMA chain per output. With `--compute int8` each row is quantized
-per 32-block and multiplied with integer dots. Either way each output is computed from its own
-row only, which is what makes a row's result independent of the rest of the batch.
+per 32-block and multiplied with integer dots (every format, K-quants included). Either way each
+output is computed from its own row only, which is what makes a row's result independent of the
+rest of the batch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_formats import BLOCK_SIZE, WeightCompute, WeightFormat, block_bytes
+from ifb.plugins.quant_formats import WeightCompute, WeightFormat, block_bytes, block_weights
 
 # The one place a compute mode picks its op and its packing (same packed shape for both).
 _MATMUL_OPS = {
@@ -26,7 +27,7 @@ PACKERS = {WeightCompute.FP32: quant_ops.pack, WeightCompute.INT8: quant_ops.pac
 
 def packed_shape(fmt: WeightFormat, n: int, k: int) -> tuple[int, int]:
     """Shape of `quant_ops.pack`'s (and `pack_int8`'s) output for an [n, k] weight."""
-    return quant_ops.num_tiles(n), k // BLOCK_SIZE * quant_ops.TILE_COLUMNS * block_bytes(fmt)
+    return quant_ops.num_tiles(n), k // block_weights(fmt) * quant_ops.TILE_COLUMNS * block_bytes(fmt)
 
 
 class QuantLinear(nn.Module):
@@ -41,9 +42,10 @@ class QuantLinear(nn.Module):
         compute: WeightCompute = WeightCompute.FP32,
     ) -> None:
         super().__init__()
-        if not fmt.is_block or in_features % BLOCK_SIZE:
+        if not fmt.is_block or in_features % block_weights(fmt):
+            weights = block_weights(fmt) if fmt.is_block else "its block"
             raise ValueError(
-                f"QuantLinear needs a block format and K % {BLOCK_SIZE} == 0, got {fmt.value}, K={in_features}"
+                f"QuantLinear needs a block format and K % {weights} == 0, got {fmt.value}, K={in_features}"
             )
         self.fmt, self.in_features, self.out_features, self.compute = fmt, in_features, out_features, compute
         self._matmul = _MATMUL_OPS[compute]

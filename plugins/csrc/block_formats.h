@@ -1,0 +1,192 @@
+// Block decoders: one packed tile-block of any format -> exact fp32 weights or int8-dot operands.
+//
+// A packed tile-block holds one GGUF block (32 weights, or a 256-weight K-quant super-block) of
+// 16 output columns, its fields transposed so one load gives all 16 columns (plugins/quant_ops.py
+// documents the byte layout). The kernels step along K in 32-weight (sub-)blocks; `Block<F>(tile, b)`
+// decodes the scales of 32-block b of a tile and knows where its quants lie. Both compute modes
+// share the scale fields and the formulas; they differ only in the order of the quant bytes:
+//   exact (pack):     `exact_pair(i)`  -> weights 2i, 2i + 1 of the block as 16 fp32 lanes
+//   int8 (pack_int8): `int8_group(g)`  -> 64 bytes: per column 4 values of k = 8g..8g+3 (lo) and
+//                                         8g+4..8g+7 (hi), all bits merged (unsigned, <= 63)
+// Weight formulas follow gguf.quants.dequantize's fp32 roundings; where a product is exact (d fp16
+// has 11 significant bits, scales 6-8, quants 4-6: at most 24) one FMA rounds as numpy's add does.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "quant_kernels.h"
+#include "simd16.h"
+
+namespace ifb_quant {
+namespace {
+
+template <Format F>
+constexpr int64_t tile_block_bytes() {
+  return block_bytes(F) * kTileColumns;
+}
+template <Format F>
+constexpr int64_t sub_blocks() {
+  return block_weights(F) / kBlockSize;
+}
+template <Format F>
+constexpr bool is_k_quant() {
+  return block_weights(F) == 256;
+}
+template <Format F>
+constexpr bool has_min() {  // w = q * scale + offset rather than (q - zero) * scale
+  return F == Format::kQ4_1 || F == Format::kQ5_1 || F == Format::kQ4_K || F == Format::kQ5_K;
+}
+template <Format F>
+constexpr int high_bits() {  // bits above the nibble, in a separate field
+  return F == Format::kQ5_0 || F == Format::kQ5_1 || F == Format::kQ5_K ? 1 : F == Format::kQ6_K ? 2 : 0;
+}
+// Bytes of one tile's packed row for a K-long weight row.
+template <Format F>
+constexpr int64_t tile_stride(int64_t k) {
+  return k / block_weights(F) * tile_block_bytes<F>();
+}
+
+template <Format F>
+struct Block {
+  V d;               // the block's fp16 d
+  V scale[2];         // per 16-weight half (equal unless Q6_K): d, or d * sc for the K-quants
+  V offset;           // m (Q4_1/Q5_1) or dmin * m (Q4_K/Q5_K)
+  QI int_scale[2];    // Q6_K: the int8 scales of the two 16-weight halves
+  QI high[2];         // Q5: the block's 5th bits; Q6_K: its 2-bit high parts (two vectors)
+  const uint8_t* quants;
+
+  Block() = default;
+  Block(const uint8_t* tile, int64_t b) {
+    constexpr int64_t kSubs = sub_blocks<F>();
+    const uint8_t* base = tile + (b / kSubs) * tile_block_bytes<F>();
+    const int sub = static_cast<int>(b % kSubs);
+    d = halves(base);
+    scale[0] = scale[1] = d;
+    offset = zero();
+    if constexpr (F == Format::kQ4_0 || F == Format::kQ8_0) {
+      quants = base + 32;
+    } else if constexpr (F == Format::kQ4_1) {
+      offset = halves(base + 32);
+      quants = base + 64;
+    } else if constexpr (F == Format::kQ5_0) {
+      high[0] = load_bytes(base + 32);
+      quants = base + 96;
+    } else if constexpr (F == Format::kQ5_1) {
+      offset = halves(base + 32);
+      high[0] = load_bytes(base + 64);
+      quants = base + 128;
+    } else if constexpr (F == Format::kQ4_K || F == Format::kQ5_K) {
+      // 6-bit scale and min of sub-block `sub` from the 12 scale bytes (rows of 16 columns).
+      const uint8_t* s = base + 64;
+      QI sc, mn;
+      if (sub < 4) {
+        sc = mask(bytes_unsigned(s + 16 * sub), 63);
+        mn = mask(bytes_unsigned(s + 16 * (sub + 4)), 63);
+      } else {
+        const QI packed = bytes_unsigned(s + 16 * (sub + 4));
+        sc = or_(mask(packed, 15), slli(srli(bytes_unsigned(s + 16 * (sub - 4)), 6), 4));
+        mn = or_(srli(packed, 4), slli(srli(bytes_unsigned(s + 16 * sub), 6), 4));
+      }
+      scale[0] = scale[1] = mul(d, to_float(sc));
+      offset = mul(halves(base + 32), to_float(mn));
+      if constexpr (F == Format::kQ4_K) {
+        quants = base + 256 + 256 * sub;
+      } else {
+        high[0] = load_bytes(base + 256 + 64 * sub);
+        quants = base + 768 + 256 * sub;
+      }
+    } else {  // Q6_K
+      for (int h = 0; h < 2; ++h) {
+        int_scale[h] = bytes_signed(base + 32 + 16 * (2 * sub + h));
+        scale[h] = mul(d, to_float(int_scale[h]));
+        high[h] = load_bytes(base + 288 + 128 * sub + 64 * h);
+      }
+      quants = base + 1312 + 256 * sub;
+    }
+  }
+
+  // Weight e of the block from its integer value q (all bits merged; int8 for Q8_0).
+  inline V weight(QI q, int e) const {
+    if constexpr (F == Format::kQ8_0) {
+      return mul(to_float(q), scale[0]);  // numpy: x * d
+    } else if constexpr (F == Format::kQ4_0 || F == Format::kQ5_0) {
+      // (q - zero) is exact and so is the product: d has 11 significant bits, q - zero at most 5.
+      return mul(scale[0], sub(to_float(q), broadcast(F == Format::kQ4_0 ? 8.0f : 16.0f)));
+    } else if constexpr (F == Format::kQ4_1 || F == Format::kQ5_1) {
+      return fmadd(to_float(q), scale[0], offset);  // numpy rounds d * q (exact), then + m
+    } else if constexpr (F == Format::kQ4_K || F == Format::kQ5_K) {
+      return fmsub(to_float(q), scale[0], offset);  // (d * sc) * q is exact: one rounding, numpy's
+    } else {
+      return mul(scale[e / 16], sub(to_float(q), broadcast(32.0f)));  // (d * sc) * (q - 32), exact
+    }
+  }
+
+  // Exact layout: weights 2i and 2i + 1 (i = 0..15).
+  inline void exact_pair(int i, V& w0, V& w1) const {
+    if constexpr (F == Format::kQ8_0) {
+      w0 = weight(bytes_signed(quants + 32 * i), 2 * i);
+      w1 = weight(bytes_signed(quants + 32 * i + 16), 2 * i + 1);
+    } else {
+      const QI raw = bytes_unsigned(quants + 16 * i);
+      QI q0 = low_nibble(raw), q1 = high_nibble(raw);
+      if constexpr (high_bits<F>() == 1) {  // one uint32 per column, bit e = weight e's 5th bit
+        q0 = or_(q0, mask(shift_bit(high[0], 2 * i, 4), 16));
+        q1 = or_(q1, mask(shift_bit(high[0], 2 * i + 1, 4), 16));
+      } else if constexpr (high_bits<F>() == 2) {  // two rows of uint32, bits 2e' of weight 16h + e'
+        const QI& h = high[i / 8];
+        q0 = or_(q0, mask(shift_bit(h, (4 * i) % 32, 4), 0x30));
+        q1 = or_(q1, mask(shift_bit(h, (4 * i + 2) % 32, 4), 0x30));
+      }
+      w0 = weight(q0, 2 * i);
+      w1 = weight(q1, 2 * i + 1);
+    }
+  }
+
+  // int8 layout, nibble formats: group g = 0..3 as unsigned bytes (lo: k = 8g + b, hi: 8g + 4 + b).
+  inline void int8_group(int g, QI& lo, QI& hi) const {
+    const QI raw = load_bytes(quants + 64 * g);
+    lo = low_nibbles(raw);
+    hi = high_nibbles(raw);
+    if constexpr (high_bits<F>() == 1) {  // byte b of a column: bit g = weight 8g+b, bit g+4 = 8g+4+b
+      lo = or_(lo, shift_bits8(high[0], g, 4, 0x10));
+      hi = or_(hi, shift_bits8(high[0], g + 4, 4, 0x10));
+    } else if constexpr (high_bits<F>() == 2) {  // vector g/2, byte b: 2-bit fields for 4 weights
+      const int p = 2 * (g % 2);
+      lo = or_(lo, shift_bits8(high[g / 2], 2 * p, 4, 0x30));
+      hi = or_(hi, shift_bits8(high[g / 2], 2 * p + 2, 4, 0x30));
+    }
+  }
+
+  // int8 layout: the 16 weights of k = e as fp32 lanes (for gathers, not the matmul).
+  inline V int8_weight(int e) const {
+    if constexpr (F == Format::kQ8_0) {
+      const QI lanes = load_bytes(quants + 64 * (e / 4));
+      return weight(srai(slli(lanes, static_cast<unsigned>(24 - 8 * (e % 4))), 24), e);
+    } else {
+      QI lo, hi;
+      int8_group(e / 8, lo, hi);
+      const int b = e % 8;
+      const QI lanes = b < 4 ? lo : hi;
+      return weight(mask(srli(lanes, static_cast<unsigned>(8 * (b % 4))), 0xFF), e);
+    }
+  }
+};
+
+// Calls fn(std::integral_constant<Format, F>{}) for the runtime `format`: the one switch over formats.
+template <typename Fn>
+inline void with_format(Format format, Fn&& fn) {
+  switch (format) {
+    case Format::kQ4_0: fn(std::integral_constant<Format, Format::kQ4_0>{}); break;
+    case Format::kQ4_1: fn(std::integral_constant<Format, Format::kQ4_1>{}); break;
+    case Format::kQ8_0: fn(std::integral_constant<Format, Format::kQ8_0>{}); break;
+    case Format::kQ5_0: fn(std::integral_constant<Format, Format::kQ5_0>{}); break;
+    case Format::kQ5_1: fn(std::integral_constant<Format, Format::kQ5_1>{}); break;
+    case Format::kQ4_K: fn(std::integral_constant<Format, Format::kQ4_K>{}); break;
+    case Format::kQ5_K: fn(std::integral_constant<Format, Format::kQ5_K>{}); break;
+    case Format::kQ6_K: fn(std::integral_constant<Format, Format::kQ6_K>{}); break;
+  }
+}
+
+}  // namespace
+}  // namespace ifb_quant
