@@ -1,13 +1,18 @@
-"""Block-quantized matmul kernels vs torch fp32 F.linear, over SmolLM2-135M's linear layers.
+"""Block-quantized matmul kernels vs torch fp32 F.linear, over one model step's linear layers.
 
-    .venv/bin/python bench/quant_kernels.py [--threads 2] [--repeats 5] [--bandwidth-gbs 36] [--isa avx2]
+    .venv/bin/python bench/quant_kernels.py [--model smollm2|llama1b] [--threads 2] [--repeats 5]
+        [--bandwidth-gbs 36] [--isa avx2]
 
-For M = 1, 8, 32 and 512 rows, runs every linear of one model step (30 layers of qkv, o,
-gate_up, down in Q4_1, then the Q8_0 lm_head) with distinct weights per layer, so weights
-stream from memory as in a real step, and prints the ms of our exact kernel (fp32 activations),
-of the `--compute int8` kernel (int8 activations, integer dots) and of F.linear on the
-dequantized fp32 weights, measured in the same run, plus the weight-read floor
-(block bytes / bandwidth) and the fraction of it the exact kernel reaches.
+Runs every linear of one model step with distinct weights per layer, so weights stream from
+memory as in a real step, and prints the ms of our exact kernel (fp32 activations), of the
+`--compute int8` kernel (int8 activations, integer dots) and, for the small model, of F.linear on
+the dequantized fp32 weights, measured in the same run, plus the weight-read floor (block bytes /
+bandwidth) and the fraction of it the exact kernel reaches.
+
+    smollm2  SmolLM2-135M: 30 layers of qkv, o, gate_up, down in Q4_1, the Q8_0 lm_head; M = 1, 8, 32, 512
+    llama1b  Llama-3.2-1B as llama-quantize's Q4_K_M lays it out: 16 layers of q+k, o, gate_up in
+             Q4_K, v and down in Q6_K on 8 layers (Q4_K on the rest), the tied 128256-row Q6_K
+             head; random valid blocks (no F.linear: its fp32 weights would be 5 GB); M = 1, 32, 512
 """
 
 from __future__ import annotations
@@ -26,12 +31,12 @@ import torch.nn.functional as F
 
 from ifb.plugins import quant_ops
 from ifb.plugins.quant_build import QuantIsa, build_quant_library, load_quant_library
-from ifb.plugins.quant_formats import WeightFormat, block_bytes, dequantize, quantize
+from ifb.plugins.quant_formats import WeightFormat, block_bytes, block_weights, dequantize, quantize
 
 LAYERS = 30
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down
 LM_HEAD = (49152, 576)
-ROWS = (1, 8, 32, 512)
+ROWS = {"smollm2": (1, 8, 32, 512), "llama1b": (1, 32, 512)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,27 +45,35 @@ class Linear:
 
     packed: torch.Tensor
     packed_int8: torch.Tensor
-    dense: torch.Tensor
+    dense: torch.Tensor | None
     fmt: WeightFormat
-
-    @property
-    def n(self) -> int:
-        return self.dense.shape[0]
-
-    @property
-    def k(self) -> int:
-        return self.dense.shape[1]
+    n: int
+    k: int
 
 
 def make_linear(n: int, k: int, fmt: WeightFormat, seed: int) -> Linear:
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     blocks = quantize(weight, fmt)
-    return Linear(
-        quant_ops.pack(blocks, fmt, n, k), quant_ops.pack_int8(blocks, fmt, n, k), dequantize(blocks, fmt), fmt
-    )
+    packed, packed_int8 = quant_ops.pack(blocks, fmt, n, k), quant_ops.pack_int8(blocks, fmt, n, k)
+    return Linear(packed, packed_int8, dequantize(blocks, fmt), fmt, n, k)
 
 
-def model_linears() -> list[Linear]:
+def random_linear(n: int, k: int, fmt: WeightFormat, seed: int) -> Linear:
+    """Random valid GGUF blocks (any byte, small finite fp16 scales): the kernels' speed does not
+    depend on the values, and K-quants have no quantizer here."""
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = n * k // block_weights(fmt)
+    blocks = torch.randint(0, 256, (num_blocks, block_bytes(fmt)), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(num_blocks, 2, generator=generator) * 1e-3).to(torch.float16).view(torch.uint8)
+    if fmt is WeightFormat.Q6_K:  # d is its last field
+        blocks[:, -2:] = scales[:, :2]
+    else:  # d, and m or dmin where the format has one (else two quant bytes: any value is valid)
+        blocks[:, :4] = scales
+    blocks = blocks.reshape(n, -1)
+    return Linear(quant_ops.pack(blocks, fmt, n, k), quant_ops.pack_int8(blocks, fmt, n, k), None, fmt, n, k)
+
+
+def smollm2_linears() -> list[Linear]:
     linears = [
         make_linear(n, k, WeightFormat.Q4_1, seed=layer * 8 + index)
         for layer in range(LAYERS)
@@ -69,8 +82,26 @@ def model_linears() -> list[Linear]:
     return [*linears, make_linear(*LM_HEAD, WeightFormat.Q8_0, seed=-1)]
 
 
+def llama1b_linears() -> list[Linear]:
+    """Q4_K_M's layout of Llama-3.2-1B (llama.cpp gives attn_v/ffn_down more bits on some layers)."""
+    layers, hidden, kv, inner = 16, 2048, 512, 8192
+    more_bits = {i for i in range(layers) if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2}
+    linears = []
+    for layer in range(layers):
+        wide = WeightFormat.Q6_K if layer in more_bits else WeightFormat.Q4_K
+        shapes = [
+            (hidden + kv, hidden, WeightFormat.Q4_K),  # q, k
+            (kv, hidden, wide),  # v
+            (hidden, hidden, WeightFormat.Q4_K),  # o
+            (2 * inner, hidden, WeightFormat.Q4_K),  # gate, up
+            (hidden, inner, wide),  # down
+        ]
+        linears += [random_linear(n, k, fmt, seed=layer * 8 + i) for i, (n, k, fmt) in enumerate(shapes)]
+    return [*linears, random_linear(128256, hidden, WeightFormat.Q6_K, seed=-1)]
+
+
 def block_bytes_read(linears: list[Linear]) -> int:
-    return sum(lin.n * lin.k // 32 * block_bytes(lin.fmt) for lin in linears)
+    return sum(lin.n * lin.k // block_weights(lin.fmt) * block_bytes(lin.fmt) for lin in linears)
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -90,37 +121,44 @@ def run_step(linears: list[Linear], inputs: dict[int, torch.Tensor], kernel: str
             quant_ops.quant_linear(x, lin.packed, lin.fmt, lin.n, lin.k)
         elif kernel == "int8":
             quant_ops.quant_linear_int8(x, lin.packed_int8, lin.fmt, lin.n, lin.k)
-        else:
+        elif lin.dense is not None:
             F.linear(x, lin.dense)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(ROWS), default="smollm2")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bandwidth-gbs", type=float, default=36.0)
+    parser.add_argument("--rows", type=int, nargs="+", help="default: the model's M list")
     parser.add_argument("--isa", choices=[isa.value for isa in QuantIsa], help="default: the best this CPU runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         library = build_quant_library(Path(scratch), QuantIsa(args.isa) if args.isa else None)
         isa = load_quant_library(library.path, library.required_features)
-    linears = model_linears()
+    linears = smollm2_linears() if args.model == "smollm2" else llama1b_linears()
+    has_dense = all(lin.dense is not None for lin in linears)
+    formats = sorted({lin.fmt.value for lin in linears})
     floor_ms = block_bytes_read(linears) / (args.bandwidth_gbs * 1e9) * 1e3
-    print(f"ISA path: {isa}; threads: {args.threads}; block bytes per step: {block_bytes_read(linears) / 1e6:.1f} MB")
+    print(
+        f"{args.model} ({', '.join(formats)}): ISA path {isa}; threads {args.threads}; block bytes per step: "
+        f"{block_bytes_read(linears) / 1e6:.1f} MB"
+    )
     print(f"weight-read floor at {args.bandwidth_gbs:.0f} GB/s: {floor_ms:.2f} ms")
     print(
-        f"{'M':>5} {'exact ms':>9} {'int8 ms':>8} {'fp32 F.linear ms':>17} {'exact/int8':>10} {'F.linear/exact':>14} {'floor/exact':>11}"
+        f"{'M':>5} {'exact ms':>9} {'int8 ms':>8} {'fp32 F.linear ms':>17} {'exact/int8':>10} {'F.linear/exact':>14} {'floor/exact':>11} {'floor/int8':>10}"
     )
-    for rows in ROWS:
+    for rows in args.rows or ROWS[args.model]:
         inputs = {k: torch.randn(rows, k) for k in {lin.k for lin in linears}}
-        repeats = max(2, args.repeats // 2) if rows >= 512 else args.repeats
+        repeats = (1 if not has_dense else max(2, args.repeats // 2)) if rows >= 512 else args.repeats
         ours = median_ms(partial(run_step, linears, inputs, "exact"), repeats)
         int8 = median_ms(partial(run_step, linears, inputs, "int8"), repeats)
-        dense = median_ms(partial(run_step, linears, inputs, "dense"), repeats)
+        dense = median_ms(partial(run_step, linears, inputs, "dense"), repeats) if has_dense else float("nan")
         print(
             f"{rows:>5} {ours:>9.2f} {int8:>8.2f} {dense:>17.2f} {ours / int8:>9.2f}x {dense / ours:>13.2f}x"
-            f" {floor_ms / ours:>10.0%}"
+            f" {floor_ms / ours:>10.0%} {floor_ms / int8:>10.0%}"
         )
 
 

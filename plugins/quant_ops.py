@@ -261,16 +261,29 @@ def _tiles(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Ten
     return padded.reshape(tiles, TILE_COLUMNS, num_blocks, size).transpose(1, 2)
 
 
+# Weights per packing chunk: the int32 per-weight intermediates stay near 64 MB, so packing a
+# 128k-row head does not take gigabytes (tiles are independent, chunking changes no byte).
+_PACK_CHUNK_WEIGHTS = 1 << 24
+
+
+def _pack_tiles(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int, int8_layout: bool) -> torch.Tensor:
+    tiles = _tiles(blocks, fmt, n, k)
+    out = torch.empty((tiles.shape[0], tiles[0].numel()), dtype=torch.uint8)
+    step = max(1, _PACK_CHUNK_WEIGHTS // (TILE_COLUMNS * k))
+    for first in range(0, tiles.shape[0], step):
+        chunk = tiles[first : first + step]
+        out[first : first + step] = _tile_block_fields(chunk, fmt, int8_layout).reshape(chunk.shape[0], -1)
+    return out
+
+
 def pack(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """GGUF rows of blocks uint8 [n, k/block_weights * block_bytes] -> the exact kernel's tiles."""
-    tiles = _tiles(blocks, fmt, n, k)
-    return _tile_block_fields(tiles, fmt, int8_layout=False).reshape(tiles.shape[0], -1).contiguous()
+    return _pack_tiles(blocks, fmt, n, k, int8_layout=False)
 
 
 def pack_int8(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """GGUF rows of blocks -> the int8-compute kernel's tiles (same shape as `pack`'s, bytes rearranged)."""
-    tiles = _tiles(blocks, fmt, n, k)
-    return _tile_block_fields(tiles, fmt, int8_layout=True).reshape(tiles.shape[0], -1).contiguous()
+    return _pack_tiles(blocks, fmt, n, k, int8_layout=True)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
