@@ -34,8 +34,11 @@ class CpuCompiler:
 
     def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
         kernels = build_engine_kernels(folder) if network.weight_formats else None
-        compile_cpu_engine(network, limits, kv_cache, folder / STEP_PACKAGE)
-        return CompiledStep(step_package=STEP_PACKAGE, kernels=kernels)
+        # Block engines bind their weights from the weights file at load, so they are stored once;
+        # dense ones keep freezing's prepacked (MKL/oneDNN) constants inside the package.
+        external = bool(network.weight_formats)
+        compile_cpu_engine(network, limits, kv_cache, folder / STEP_PACKAGE, constants_in_package=not external)
+        return CompiledStep(step_package=STEP_PACKAGE, kernels=kernels, constants_external=external)
 
 
 class TensorRTCompiler:

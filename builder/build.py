@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from ifb.builder.backends import Backend, compiler_for
+from ifb.builder.build_clock import BuildClock
 from ifb.builder.calibrate import calibrate_engine_folder
-from ifb.builder.convert import hf_to_network_state_dict
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
 from ifb.builder.hf_config import model_spec_from_hf_config
@@ -24,15 +23,20 @@ from ifb.builder.limits import KV_DTYPE_CHOICES, check_kv_dtype_option, resolve_
 from ifb.builder.quant_weights import (
     COMPUTE_CHOICES,
     WEIGHT_CHOICES,
-    PackedWeights,
-    apply_packed_weights,
-    check_compute_option,
     check_weights_option,
-    pack_weights,
     packed_dtype,
+    resolve_compute,
     source_packs_weights,
 )
-from ifb.builder.sources import LoadedModel, ModelSource, load_model, resolve_source, source_sha256
+from ifb.builder.sources import (
+    ModelSource,
+    SourceMetadata,
+    load_metadata,
+    open_tensors,
+    resolve_source,
+    source_sha256,
+)
+from ifb.builder.weight_loader import network_state, plan_weights, warn_dequantized
 from ifb.runtime.engine_format import (
     BuildOptionsRecord,
     EngineConfig,
@@ -40,14 +44,16 @@ from ifb.runtime.engine_format import (
     EngineSource,
     kv_pool_shape,
 )
+from ifb.runtime.engine_format.weights_file import TensorEntry, WeightsWriter, map_weights
 from ifb.runtime.step.network import StepNetwork, attention_ops
 
 logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights.safetensors"
+INV_FREQ = "rope.inv_freq"  # stored beside the network's state: the runtime rebuilds the rotary tables
 TOKENIZER_DIR = "tokenizer"
-BUILD_STAGES = ("load", "convert", "compile", "write")
+BUILD_STAGES = ("read", "pack", "compile", "write", "calibrate")
 __all__ = [
     "COMPUTE_CHOICES",
     "KV_DTYPE_CHOICES",
@@ -69,7 +75,7 @@ class BuildOptions:
     dtype: str = "auto"
     weights: str = "auto"
     kv_dtype: str = "auto"  # the KV pool's dtype; auto = dtype
-    compute: str = "fp32"  # how block-quantized layers multiply (WeightCompute)
+    compute: str = "auto"  # how block-quantized layers multiply: auto, or a WeightCompute value
     kv_blocks: int | None = None
     kv_memory_gb: float | None = None
     backend: Backend = Backend.CPU
@@ -86,6 +92,8 @@ class BuildSummary:
     artifact_bytes: int
     seconds: float
     stage_seconds: dict[str, float]
+    stage_peak_bytes: dict[str, int]  # each phase's own peak resident memory (build_clock.py)
+    weight_compute: str
 
 
 def rope_tables(hf_config: Any) -> tuple[torch.Tensor, float]:
@@ -97,37 +105,55 @@ def rope_tables(hf_config: Any) -> tuple[torch.Tensor, float]:
 
 
 def _convert(
-    loaded: LoadedModel, limits: EngineLimits, dtype: str, options: BuildOptions
-) -> tuple[StepNetwork, torch.Tensor, float]:
-    spec = model_spec_from_hf_config(loaded.hf_config)
-    inv_freq, rope_scaling = rope_tables(loaded.hf_config)
-    state = hf_to_network_state_dict(loaded.state_dict, spec)
-    packed: PackedWeights = pack_weights(loaded.source, spec, state, options.weights, options.backend)
-    compute = check_compute_option(options.compute, packed)
-    network = StepNetwork(
-        spec,
-        inv_freq,
-        rope_scaling,
-        limits.max_seq_len,
-        limits.block_size,
-        # block weights bring the engine's kernel library (builder/backends.py), decode attention with it
-        ops=attention_ops(spec, reference=False, has_kernel_library=bool(packed.blocks)),
-        weight_formats=packed.formats,
-        weight_compute=compute.value,
-    )
-    state = apply_packed_weights(state, packed, spec, compute)
-    missing, unexpected = network.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise BuildError(f"weights do not match the network: missing {missing}, unexpected {unexpected}")
-    return network.to(getattr(torch, dtype)).eval(), inv_freq, rope_scaling
+    metadata: SourceMetadata, limits: EngineLimits, dtype: str, options: BuildOptions, weights_path: Path
+) -> tuple[StepNetwork, float]:
+    """The network, its weights written to `weights_path` module by module from the mapped source
+    and then mapped back in: the build holds one module in flight, never a second whole copy."""
+    spec = model_spec_from_hf_config(metadata.hf_config)
+    inv_freq, rope_scaling = rope_tables(metadata.hf_config)
+    tensors = open_tensors(metadata.source, spec)
+    keeps_blocks = source_packs_weights(metadata.source, options.weights, options.backend)
+    plan = plan_weights(tensors, options.weights if keeps_blocks or options.weights != "auto" else "fp32")
+    compute = resolve_compute(options.compute, plan.has_blocks)
+    warn_dequantized(plan, torch.finfo(getattr(torch, dtype)).bits // 8)
+    with torch.device("meta"):  # no fp32 allocation of modules that will hold blocks
+        network = StepNetwork(
+            spec,
+            inv_freq,
+            rope_scaling,
+            limits.max_seq_len,
+            limits.block_size,
+            # block weights bring the engine's kernel library (builder/backends.py), decode attention with it
+            ops=attention_ops(spec, reference=False, has_kernel_library=plan.has_blocks),
+            weight_formats=plan.formats,
+            weight_compute=compute.value,
+        )
+    network.set_rope(inv_freq, rope_scaling, limits.max_seq_len)
+    writer = WeightsWriter(weights_path, stored_entries(network, getattr(torch, dtype), inv_freq))
+    for name, tensor in network_state(tensors, plan, compute):
+        writer.write(name, tensor)
+    writer.write(INV_FREQ, inv_freq)
+    try:
+        writer.close()
+        state = map_weights(weights_path)
+        state.pop(INV_FREQ)
+        network.load_weights(state)
+    except ValueError as error:
+        raise BuildError(str(error)) from error
+    return network.eval(), rope_scaling
 
 
-def save_weights(network: StepNetwork, inv_freq: torch.Tensor, path: Path) -> None:
-    state = {k: v.contiguous() for k, v in network.state_dict().items()}
-    if network.spec.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # the same tensor as embed.weight (absent if the head is packed)
-    state["rope.inv_freq"] = inv_freq
-    save_file(state, str(path))
+def stored_entries(network: StepNetwork, dtype: torch.dtype, inv_freq: torch.Tensor) -> dict[str, TensorEntry]:
+    """What the weights file holds: the network's state (floating tensors in the engine's dtype; a
+    tied dense head once, as the embedding) and the rotary inv_freq in fp32."""
+    entries: dict[str, TensorEntry] = {}
+    for name, tensor in network.state_dict().items():
+        if name == "lm_head.weight" and network.spec.tie_word_embeddings:
+            continue  # the same tensor as embed.weight
+        stored = dtype if tensor.is_floating_point() else tensor.dtype
+        entries[name] = TensorEntry(stored, tuple(tensor.shape))
+    entries[INV_FREQ] = TensorEntry(torch.float32, tuple(inv_freq.shape))
+    return entries
 
 
 def build_dtype(options: BuildOptions, source: ModelSource | None = None) -> str:
@@ -157,20 +183,18 @@ def build_engine(
     compiler = compiler_for(options.backend)
     check_kv_dtype_option(options.kv_dtype, options.backend)  # first: refuse an unusable option pair
     build_dtype(options)  # before any work (and before the tensorrt backend looks for a GPU)
-    started = time.perf_counter()
-    stages: dict[str, float] = {}
+    clock = BuildClock()
 
-    def stage(name: str, begin: float) -> float:
-        stages[name] = round(time.perf_counter() - begin, 2)
-        return time.perf_counter()
+    def phase(name: str) -> None:
+        on_stage(name)
+        clock.start(name)
 
-    on_stage("load")
-    t = time.perf_counter()
+    phase("read")
     model_source = resolve_source(source)
     dtype = build_dtype(options, model_source)
     kv_dtype = build_kv_dtype(options, dtype)
-    loaded = load_model(model_source)
-    spec = model_spec_from_hf_config(loaded.hf_config)
+    metadata = load_metadata(model_source)
+    spec = model_spec_from_hf_config(metadata.hf_config)
     limits = resolve_limits(
         spec,
         max_batch_size=options.max_batch_size,
@@ -181,21 +205,17 @@ def build_engine(
         kv_blocks=options.kv_blocks,
         kv_memory_gb=options.kv_memory_gb,
     )
-    t = stage("load", t)
-    on_stage("convert")
-    network, inv_freq, rope_scaling = _convert(loaded, limits, dtype, options)
-    t = stage("convert", t)
     with atomic_engine_folder(output) as folder:
-        on_stage("compile")
+        phase("pack")
+        network, rope_scaling = _convert(metadata, limits, dtype, options, folder / WEIGHTS_FILE)
+        phase("compile")
         # The export's sample pools carry the pool dtype into the compiled step's input signature.
         kv_cache = torch.zeros(kv_pool_shape(spec, limits), dtype=getattr(torch, kv_dtype))
         compiled = compiler.compile(network, limits, kv_cache, folder)
         del kv_cache
-        t = stage("compile", t)
-        on_stage("write")
-        save_weights(network, inv_freq, folder / WEIGHTS_FILE)
-        loaded.tokenizer.save_pretrained(str(folder / TOKENIZER_DIR))
-        stage("write", t)
+        phase("write")
+        metadata.tokenizer.save_pretrained(str(folder / TOKENIZER_DIR))
+        clock.stop()
         config = EngineConfig(
             model_name=model_source.name,
             spec=spec,
@@ -207,22 +227,24 @@ def build_engine(
             step_package=compiled.step_package,
             weights=WEIGHTS_FILE,
             tokenizer_folder=TOKENIZER_DIR,
-            has_chat_template=bool(getattr(loaded.tokenizer, "chat_template", None)),
+            has_chat_template=bool(getattr(metadata.tokenizer, "chat_template", None)),
             source=_engine_source(model_source),
             build_id=uuid.uuid4().hex,
             builder_version=BUILDER_VERSION,
             build_options=_options_record(options, limits, dtype, kv_dtype),
-            build_info=_build_info(started, stages),
+            build_info=_build_info(clock),
             tensorrt=compiled.tensorrt,
             kernels=compiled.kernels,
             weight_formats=network.weight_formats,
             weight_compute=network.weight_compute.value,
+            step_constants_external=compiled.constants_external,
         )
+        del network
         write_engine_json(folder, config)
-        t = time.perf_counter()
         # Last, on the finished folder: it times the engine exactly as `ifb run` will load it.
+        phase("calibrate")
         calibrate_engine_folder(folder)
-        stage("calibrate", t)
+        clock.stop()
         artifact_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return BuildSummary(
         output=output,
@@ -232,8 +254,10 @@ def build_engine(
         kv_dtype=kv_dtype,
         kv_pool_bytes=config.kv_pool_bytes,
         artifact_bytes=artifact_bytes,
-        seconds=time.perf_counter() - started,
-        stage_seconds=stages,
+        seconds=time.perf_counter() - clock.started,
+        stage_seconds=clock.seconds,
+        stage_peak_bytes=clock.peak_bytes,
+        weight_compute=config.weight_compute,
     )
 
 
@@ -257,10 +281,11 @@ def _options_record(options: BuildOptions, limits: EngineLimits, dtype: str, kv_
     )
 
 
-def _build_info(started: float, stages: dict[str, float]) -> dict[str, Any]:
+def _build_info(clock: BuildClock) -> dict[str, Any]:
     return {
-        "seconds": round(time.perf_counter() - started, 2),
-        "stage_seconds": stages,
+        "seconds": round(time.perf_counter() - clock.started, 2),
+        "stage_seconds": dict(clock.seconds),
+        "stage_peak_rss_mb": {name: round(value / 2**20) for name, value in clock.peak_bytes.items()},
         "torch_version": torch.__version__,
         "machine": platform.machine(),
         "created_unix": int(time.time()),

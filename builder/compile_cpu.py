@@ -44,9 +44,17 @@ def build_engine_kernels(folder: Path) -> KernelLibraryInfo:
     return KernelLibraryInfo(f"{KERNELS_DIR}/{target.name}", library.isa.value, library.required_features)
 
 
-def compile_cpu_engine(network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, package_path: Path) -> Path:
+def compile_cpu_engine(
+    network: StepNetwork,
+    limits: EngineLimits,
+    kv_cache: torch.Tensor,
+    package_path: Path,
+    constants_in_package: bool = True,
+) -> Path:
     """Export and AOT-compile `network` into a .pt2 package at `package_path` (any packed weight's
-    op must be loaded already: see `build_engine_kernels`)."""
+    op must be loaded already: see `build_engine_kernels`). Without `constants_in_package` the
+    library holds no weights: the runtime binds them by name (AotiStep), and compiling does not
+    serialize a second copy of them (for a 1B model that copy alone is the size of the file)."""
     network.eval()
     sample = sample_args(limits, kv_cache)
     with torch.no_grad():
@@ -55,6 +63,13 @@ def compile_cpu_engine(network: StepNetwork, limits: EngineLimits, kv_cache: tor
         path = torch._inductor.aoti_compile_and_package(
             exported,
             package_path=str(package_path),
-            inductor_configs={**INDUCTOR_CONFIGS, **(quant_ops.aoti_configs() if network.weight_formats else {})},
+            inductor_configs={
+                **INDUCTOR_CONFIGS,
+                **(quant_ops.aoti_configs() if network.weight_formats else {}),
+                "aot_inductor.package_constants_in_so": constants_in_package,
+                # Freezing makes new constants (prepacked dense weights, `_frozen_param*`) that no
+                # weights file holds; weights bound at load must stay the network's own tensors.
+                "freezing": constants_in_package,
+            },
         )
     return Path(path)

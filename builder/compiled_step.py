@@ -12,3 +12,4 @@ class CompiledStep:
     step_package: str  # relative to the engine folder
     tensorrt: TensorRTPlanInfo | None = None
     kernels: KernelLibraryInfo | None = None
+    constants_external: bool = False  # the package holds no weights (EngineConfig.step_constants_external)

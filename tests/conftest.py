@@ -42,7 +42,8 @@ def _build(
     tmp_path_factory: pytest.TempPathFactory, source: Path, name: str, dtype: str, kv_dtype: str = "auto"
 ) -> Path:
     output = tmp_path_factory.mktemp("engines") / name
-    build_engine(source, output, BuildOptions(dtype=dtype, kv_dtype=kv_dtype, **TINY_LIMITS))
+    # compute fp32: these engines are compared with transformers (`--compute auto` is int8 for blocks)
+    build_engine(source, output, BuildOptions(dtype=dtype, kv_dtype=kv_dtype, compute="fp32", **TINY_LIMITS))
     return output
 
 
@@ -91,5 +92,5 @@ def tiny_q4_gguf_int8_engine(tmp_path_factory: pytest.TempPathFactory, tiny_q4_g
 def tiny_qwen2_q8_engine(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_dir: Path) -> Path:
     """HF Qwen2 (tied embeddings, qkv bias) quantized at build time with `--weights q8_0`."""
     output = tmp_path_factory.mktemp("engines") / "tiny-qwen2-q8_0"
-    build_engine(tiny_qwen2_dir, output, BuildOptions(dtype="auto", weights="q8_0", **TINY_LIMITS))
+    build_engine(tiny_qwen2_dir, output, BuildOptions(dtype="auto", weights="q8_0", compute="fp32", **TINY_LIMITS))
     return output

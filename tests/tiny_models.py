@@ -91,10 +91,45 @@ def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(path: Path, hf_folder: Path, linear_type: str | None = None, embed_type: str | None = None) -> Path:
+# Types gguf-py cannot quantize: written as random *valid* blocks (finite positive fp16 scales at
+# these byte offsets, every other byte random), scaled so weights come out with a std near 0.05.
+RANDOM_BLOCK_TYPES: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {
+    "Q4_K": ((0, 2), (3e-4, 2e-3)),
+    "Q5_K": ((0, 2), (1.5e-4, 2e-3)),
+    "Q6_K": ((208,), (8e-5,)),
+    "Q3_K": ((108,), (1e-3,)),
+    "Q2_K": ((80, 82), (1e-3, 1e-3)),
+}
+
+
+def random_blocks(rows: int, cols: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row bytes] of valid random `type_name` blocks (see RANDOM_BLOCK_TYPES)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    num_blocks = rows * cols // block_weights
+    blocks = rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
+    offsets, scales = RANDOM_BLOCK_TYPES[type_name]
+    for offset, scale in zip(offsets, scales, strict=True):
+        values = (scale * rng.uniform(0.5, 1.5, size=num_blocks)).astype(np.float16)
+        blocks[:, offset : offset + 2] = values.view(np.uint8).reshape(num_blocks, 2)
+    return blocks.reshape(rows, cols // block_weights * block_bytes)
+
+
+def write_gguf(
+    path: Path,
+    hf_folder: Path,
+    linear_type: str | None = None,
+    embed_type: str | None = None,
+    tensor_types: dict[str, str] | None = None,
+    seed: int = 0,
+) -> Path:
     """Write the HF checkpoint at `hf_folder` (Llama) as a GGUF with its tokenizer: F32, or with
     the linear layers (and LM head) quantized by gguf-py to `linear_type` (e.g. "Q4_1") and the
-    token embedding to `embed_type` (e.g. "Q8_0"), as llama.cpp's converter would write them."""
+    token embedding to `embed_type` (e.g. "Q8_0"), as llama.cpp's converter would write them.
+    `tensor_types` overrides per GGUF tensor ("blk.1.attn_v.weight", "token_embd.weight") or per
+    kind ("attn_v"); K-quant types are written as random valid blocks (`random_blocks`)."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -146,12 +181,20 @@ def write_gguf(path: Path, hf_folder: Path, linear_type: str | None = None, embe
         "post_attention_layernorm.weight": "ffn_norm.weight",
     }
 
+    overrides = tensor_types or {}
+    rng = np.random.default_rng(seed)
+
     def add(gguf_name: str, array: np.ndarray, kind: str | None) -> None:
+        kind = overrides.get(gguf_name, overrides.get(gguf_name.split(".")[-2], kind))
         if kind is None or array.ndim != 2:
             writer.add_tensor(gguf_name, array)
             return
         qtype = gguf.GGMLQuantizationType[kind]
-        writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        if kind in RANDOM_BLOCK_TYPES:
+            blocks = random_blocks(array.shape[0], array.shape[1], kind, rng)
+        else:
+            blocks = gguf.quants.quantize(array, qtype)
+        writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
 
     for name, tensor in state.items():
         array = tensor.float().numpy()

@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ifb.plugins.quant_formats import WeightCompute, WeightFormat
 from ifb.runtime.engine_format.artifacts import ENGINE_JSON, confined_path, verify_artifacts
 from ifb.runtime.engine_format.limits import DTYPE_BYTES, EngineLimits, kv_bytes_per_block, kv_pool_shape
 from ifb.runtime.engine_format.model_spec import ModelSpec
@@ -21,11 +22,12 @@ from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step_cost_model import StepCostModel
 
 ENGINE_FORMAT_VERSION = 2  # 2: typed record with build_id, build_options and kernel/tensorrt sections
-# Block formats a linear layer may be stored in (plugins/quant_formats.py); `weight_formats` is an
-# optional field, so a version-2 engine without it has every weight in `dtype`.
-BLOCK_WEIGHT_FORMATS = ("q4_0", "q4_1", "q8_0")
-# How those layers multiply (plugins/quant_formats.py WeightCompute); absent = fp32, the exact mode.
-WEIGHT_COMPUTE_MODES = ("fp32", "int8")
+# What a stored weight may be (the one enum, plugins/quant_formats.py): `weight_formats` is an
+# optional field, so a version-2 engine without it has every weight in `dtype`; "fp32" appears only
+# for one part of a mixed-format fused module (`layers.0.attn.qkv[2]`, runtime/step/segmented_linear.py).
+STORED_WEIGHT_FORMATS = tuple(fmt.value for fmt in WeightFormat)
+# How those layers multiply (WeightCompute); absent = fp32, the exact mode.
+WEIGHT_COMPUTE_MODES = tuple(mode.value for mode in WeightCompute)
 
 
 class BackendKind(str, Enum):
@@ -98,6 +100,9 @@ class EngineConfig:
     kernels: KernelLibraryInfo | None = None
     weight_formats: dict[str, str] = field(default_factory=dict)  # module name -> block format
     weight_compute: str = "fp32"  # how the block-format layers multiply: fp32 or int8 (`--compute`)
+    # True: the step package holds no weights; they are bound at load from the mapped weights file,
+    # so an engine stores them once (block engines; dense ones keep freezing's prepacked constants).
+    step_constants_external: bool = False
     cost_model: StepCostModel | None = None  # measured at the end of the build on the building machine
     artifacts: dict[str, str] = field(default_factory=dict)
     folder: Path = Path(".")  # where it was loaded from; not part of the record
@@ -177,6 +182,7 @@ class EngineConfig:
             "kernels": None if self.kernels is None else _asdict(self.kernels),
             "weight_formats": self.weight_formats,
             "weight_compute": self.weight_compute,
+            "step_constants_external": self.step_constants_external,
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             "artifacts": self.artifacts,
         }
@@ -216,6 +222,7 @@ class EngineConfig:
                 kernels=None if kernels is None else _kernel_info(kernels),
                 weight_formats=_weight_formats(read.optional("weight_formats") or {}),
                 weight_compute=_weight_compute(read.optional("weight_compute") or "fp32"),
+                step_constants_external=bool(read.optional("step_constants_external")),
                 cost_model=None if cost_model is None else StepCostModel.from_json(cost_model),
                 artifacts=read.field("artifacts"),
                 folder=folder,
@@ -269,9 +276,9 @@ def _kernel_info(data: dict[str, Any]) -> KernelLibraryInfo:
 
 
 def _weight_formats(data: dict[str, Any]) -> dict[str, str]:
-    bad = {name: fmt for name, fmt in data.items() if fmt not in BLOCK_WEIGHT_FORMATS}
+    bad = {name: fmt for name, fmt in data.items() if fmt not in STORED_WEIGHT_FORMATS}
     if bad:
-        raise ValueError(f"weight_formats {bad} not in {', '.join(BLOCK_WEIGHT_FORMATS)}")
+        raise ValueError(f"weight_formats {bad} not in {', '.join(STORED_WEIGHT_FORMATS)}")
     return dict(data)
 
 

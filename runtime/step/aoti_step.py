@@ -38,6 +38,12 @@ def _extract_model_library(package: Path, into: Path) -> Path:
         return Path(archive.extract(libraries[0], into))
 
 
+class _ConstantEntry(ctypes.Structure):
+    """AOTInductorConstantMapEntry: a C struct, so no std::unordered_map crosses into the library."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("handle", ctypes.c_void_p)]
+
+
 class _Container:
     """One AOTInductor model container over a dlopen'ed model library."""
 
@@ -66,6 +72,41 @@ class _Container:
         if code != 0:  # the library has printed the C++ exception to stderr
             raise RuntimeError(f"compiled step: AOTInductor {what} failed (code {code})")
 
+    def constant_names(self) -> dict[str, str]:
+        """Each constant's name in the library -> the network's name for it (its original FQN)."""
+        names: dict[str, str] = {}
+        for index in range(self._count("AOTInductorModelContainerGetNumConstants")):
+            name, fqn = ctypes.c_char_p(), ctypes.c_char_p()
+            self._check(
+                self.lib.AOTInductorModelContainerGetConstantName(
+                    self.handle, ctypes.c_size_t(index), ctypes.byref(name)
+                ),
+                "GetConstantName",
+            )
+            self._check(
+                self.lib.AOTInductorModelContainerGetConstantOriginalFQN(
+                    self.handle, ctypes.c_size_t(index), ctypes.byref(fqn)
+                ),
+                "GetConstantOriginalFQN",
+            )
+            names[(name.value or b"").decode()] = (fqn.value or b"").decode()
+        return names
+
+    def use_constants(self, constants: dict[str, torch.Tensor]) -> None:
+        """Point the library's constants at caller-owned tensors (no copy; they must outlive it)."""
+        handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(constants.values()))
+        self._constant_handles = handles  # the handles reference the tensors: keep them alive
+        entries = (_ConstantEntry * len(constants))(
+            *[
+                _ConstantEntry(name.encode(), _capsule_pointer(h, None))
+                for name, h in zip(constants, handles, strict=True)
+            ]
+        )
+        code = self.lib.AOTInductorModelContainerUpdateUserManagedConstantBufferPairs(
+            self.handle, entries, ctypes.c_size_t(len(constants)), ctypes.c_bool(False), ctypes.c_bool(True)
+        )
+        self._check(code, "UpdateUserManagedConstantBufferPairs")
+
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         # New handles to the inputs, stolen (freed) by the container; outputs stolen back by torch.
         handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(inputs)
@@ -90,7 +131,9 @@ class AotiStep:
 
     device = torch.device("cpu")
 
-    def __init__(self, package: Path) -> None:
+    def __init__(self, package: Path, constants: dict[str, torch.Tensor] | None = None) -> None:
+        """`constants`: the network's tensors by name, for a package compiled without its weights
+        (the engine's weights file, mapped, is then the only copy of them)."""
         scratch = Path(tempfile.mkdtemp(prefix="ifb-step-"))
         try:
             library = _extract_model_library(package, scratch)
@@ -98,6 +141,18 @@ class AotiStep:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # dlopen keeps its mapping; no file is left
         self._finalizer = weakref.finalize(self, self._container.close)
+        if constants is not None:
+            self._constants = self._bind(constants)
+            self._container.use_constants(self._constants)
+
+    def _bind(self, constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        bound: dict[str, torch.Tensor] = {}
+        for name, fqn in self._container.constant_names().items():
+            tensor = constants.get(fqn)
+            if tensor is None:
+                raise EngineFormatError(f"the compiled step needs constant {name!r} ({fqn!r}), not in the weights file")
+            bound[name] = tensor
+        return bound
 
     def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor:
         flat = [*inputs.as_args(), *kv_pools]

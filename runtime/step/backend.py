@@ -8,12 +8,12 @@ from enum import Enum
 from typing import Protocol
 
 import torch
-from safetensors.torch import load_file
 
 from ifb.runtime.engine_format import BackendKind, EngineConfig
+from ifb.runtime.engine_format.weights_file import map_weights
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step.kernels import load_engine_kernels
-from ifb.runtime.step.network import StepNetwork, attention_ops
+from ifb.runtime.step.network import StepNetwork, attention_ops, rotary_tables
 from ifb.runtime.step.step_inputs import StepInputs
 
 
@@ -35,21 +35,25 @@ class StepMode(str, Enum):
 
 
 def load_network(config: EngineConfig, reference_ops: bool) -> StepNetwork:
-    state = load_file(str(config.weights_path))
+    state = map_weights(config.weights_path)
     inv_freq = state.pop("rope.inv_freq")
-    network = StepNetwork(
-        config.spec,
-        inv_freq,
-        config.rope_scaling,
-        config.limits.max_seq_len,
-        config.limits.block_size,
-        ops=attention_ops(config.spec, reference=reference_ops, has_kernel_library=config.kernels is not None),
-        weight_formats=config.weight_formats,
-        weight_compute=config.weight_compute,
-    )
-    network = network.to(getattr(torch, config.dtype))
-    network.load_state_dict(state, strict=not config.spec.tie_word_embeddings)
-    return network.eval()
+    with torch.device("meta"):  # the stored tensors are assigned, not copied into fresh modules
+        network = StepNetwork(
+            config.spec,
+            inv_freq,
+            config.rope_scaling,
+            config.limits.max_seq_len,
+            config.limits.block_size,
+            ops=attention_ops(config.spec, reference=reference_ops, has_kernel_library=config.kernels is not None),
+            weight_formats=config.weight_formats,
+            weight_compute=config.weight_compute,
+        )
+    network.set_rope(inv_freq, config.rope_scaling, config.limits.max_seq_len)
+    try:
+        network.load_weights(state)
+    except ValueError as error:
+        raise EngineFormatError(f"{config.folder}: {error}") from error
+    return network.to(getattr(torch, config.dtype)).eval()
 
 
 class NetworkStep:
@@ -67,7 +71,18 @@ class NetworkStep:
 def _cpu_step(config: EngineConfig) -> StepBackend:
     from ifb.runtime.step.aoti_step import AotiStep
 
-    return AotiStep(config.step_package_path)
+    if not config.step_constants_external:
+        return AotiStep(config.step_package_path)
+    return AotiStep(config.step_package_path, step_constants(config))
+
+
+def step_constants(config: EngineConfig) -> dict[str, torch.Tensor]:
+    """What a package compiled without its weights needs: the mapped weights file (no copy) and
+    the rotary tables the network computes from its inv_freq."""
+    constants = map_weights(config.weights_path)
+    cos, sin = rotary_tables(constants.pop("rope.inv_freq"), config.rope_scaling, config.limits.max_seq_len)
+    dtype = getattr(torch, config.dtype)
+    return {**constants, "rope_cos": cos.to(dtype), "rope_sin": sin.to(dtype)}
 
 
 def _tensorrt_step(config: EngineConfig) -> StepBackend:

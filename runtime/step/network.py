@@ -20,7 +20,9 @@ from ifb.plugins.attention_reference import paged_attention_reference, write_kv_
 from ifb.plugins.layout import AttentionLayout
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
 from ifb.runtime.engine_format import ModelSpec
+from ifb.runtime.step.quant_embedding import QuantEmbedding
 from ifb.runtime.step.quant_linear import QuantLinear
+from ifb.runtime.step.segmented_linear import SegmentedLinear, part_formats, segments
 
 AttentionFn = Callable[..., torch.Tensor]
 WriteKvFn = Callable[..., None]
@@ -35,6 +37,23 @@ class AttentionOps:
 FAST_OPS = AttentionOps(paged_attention, write_kv)
 KERNEL_OPS = AttentionOps(paged_attention_decode_kernel, write_kv)  # decode through the kernel library
 REFERENCE_OPS = AttentionOps(paged_attention_reference, write_kv_reference)
+# weight_formats' key for a block-format embedding table (tied: the LM head's own tiles).
+EMBED_KEY = "embed"
+
+
+def linear_part_rows(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every linear module of the network -> the output rows of its fused parts, in order."""
+    q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    rows: dict[str, tuple[int, ...]] = {}
+    for i in range(spec.num_layers):
+        rows[f"layers.{i}.attn.qkv"] = (q_dim, kv_dim, kv_dim)
+        rows[f"layers.{i}.attn.o_proj"] = (spec.hidden_size,)
+        rows[f"layers.{i}.mlp.gate_up"] = (spec.intermediate_size, spec.intermediate_size)
+        rows[f"layers.{i}.mlp.down"] = (spec.hidden_size,)
+    rows["lm_head"] = (spec.vocab_size,)
+    return rows
+
+
 # The head sizes the decode kernel is written for (16-lane vectors); others keep the torch path.
 DECODE_KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -46,6 +65,13 @@ def attention_ops(spec: ModelSpec, reference: bool, has_kernel_library: bool) ->
     if has_kernel_library and spec.head_dim in DECODE_KERNEL_HEAD_DIMS:
         return KERNEL_OPS
     return FAST_OPS
+
+
+def rotary_tables(inv_freq: torch.Tensor, rope_scaling: float, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_seq_len, head_dim] on the CPU (half-split layout, as HF Llama)."""
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device="cpu"), inv_freq.float().cpu())
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos() * rope_scaling, angles.sin() * rope_scaling
 
 
 class RMSNorm(nn.Module):
@@ -164,25 +190,59 @@ class StepNetwork(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        for name, fmt in self.weight_formats.items():
-            self._quantize_module(name, WeightFormat(fmt))
-        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq.float())
-        angles = torch.cat((freqs, freqs), dim=-1)
+        for name, rows in linear_part_rows(spec).items():
+            self._store_linear(name, rows)
+        if EMBED_KEY in self.weight_formats:
+            self._store_embedding(WeightFormat(self.weight_formats[EMBED_KEY]))
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
-        self.register_buffer("rope_cos", angles.cos() * rope_scaling, persistent=False)
-        self.register_buffer("rope_sin", angles.sin() * rope_scaling, persistent=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.set_rope(inv_freq, rope_scaling, max_seq_len)
 
-    def _quantize_module(self, name: str, fmt: WeightFormat) -> None:
-        """Swap the nn.Linear `name` for a QuantLinear of the same shape (unties a tied head)."""
+    def set_rope(self, inv_freq: torch.Tensor, rope_scaling: float, max_seq_len: int) -> None:
+        """(Re)compute the rotary tables on the CPU (a network built on the meta device calls it again)."""
+        self.rope_cos, self.rope_sin = rotary_tables(inv_freq, rope_scaling, max_seq_len)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Assign a stored state (the network may have been built on the meta device): every tensor
+        must be present, and a tied dense head is tied again to the assigned embedding."""
+        state = dict(state)
+        tied_dense_head = self.spec.tie_word_embeddings and isinstance(self.lm_head, nn.Linear)
+        if tied_dense_head and isinstance(self.embed, nn.Embedding):
+            state.setdefault("lm_head.weight", state["embed.weight"])
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the network: missing {missing}, unexpected {unexpected}")
+        if tied_dense_head and isinstance(self.embed, nn.Embedding):
+            self.lm_head.weight = self.embed.weight
+
+    def _store_linear(self, name: str, part_rows: tuple[int, ...]) -> None:
+        """Swap the nn.Linear `name` for what weight_formats records: one block format, one
+        format per part, or (absent) leave it dense."""
         linear = self.get_submodule(name)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{name} is not a linear layer, cannot store it as {fmt.value}")
+        assert isinstance(linear, nn.Linear)
+        per_part = part_formats(self.weight_formats, name, len(part_rows))
+        replacement: nn.Module
+        if per_part is not None:
+            layout = segments(per_part, part_rows)
+            replacement = SegmentedLinear(linear.in_features, layout, linear.bias is not None, self.weight_compute)
+        elif name in self.weight_formats:
+            fmt = WeightFormat(self.weight_formats[name])
+            replacement = QuantLinear(
+                fmt, linear.in_features, linear.out_features, bias=linear.bias is not None, compute=self.weight_compute
+            )
+        else:
+            return
         parent_name, _, attr = name.rpartition(".")
-        quant = QuantLinear(
-            fmt, linear.in_features, linear.out_features, bias=linear.bias is not None, compute=self.weight_compute
-        )
-        setattr(self.get_submodule(parent_name), attr, quant)
+        setattr(self.get_submodule(parent_name) if parent_name else self, attr, replacement)
+
+    def _store_embedding(self, fmt: WeightFormat) -> None:
+        """The embedding as a block table: the tied head's own tiles where it shares them."""
+        head = self.lm_head
+        shares = self.spec.tie_word_embeddings and isinstance(head, QuantLinear) and head.fmt is fmt
+        shared = head if shares and isinstance(head, QuantLinear) else None
+        self.embed = QuantEmbedding(fmt, self.spec.vocab_size, self.spec.hidden_size, shared_head=shared)
 
     def forward(
         self,

@@ -19,7 +19,7 @@ from step_cases import prompts, run_mixed_step
 from tiny_models import TINY_LIMITS
 from transformers import AutoModelForCausalLM
 
-from ifb.builder import gguf_blocks
+from ifb.builder import gguf_tensors
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.errors import BuildError
 from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
@@ -62,7 +62,8 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> li
 def test_gguf_blocks_are_kept_and_recorded(tiny_q4_gguf_engine: Path) -> None:
     """`--weights auto` on a Q4_1 GGUF: every linear and the head packed, fp32 activations, kernels shipped."""
     config = EngineConfig.load(tiny_q4_gguf_engine)
-    assert config.weight_formats == dict.fromkeys(_all_linears(config.spec.num_layers), "q4_1")
+    # the untied Q8_0 embedding is read as blocks too, never an fp32 table
+    assert config.weight_formats == {**dict.fromkeys(_all_linears(config.spec.num_layers), "q4_1"), "embed": "q8_0"}
     assert config.dtype == "float32"
     assert config.kernels is not None and config.kernels.path in config.artifacts
     assert config.kernels_path is not None and config.kernels_path.is_file()
@@ -86,7 +87,8 @@ def test_q8_0_engine_greedy_equals_transformers_on_dequantized_weights(
 ) -> None:
     """HF Qwen2 + `--weights q8_0` (tied head, qkv bias) == HF fp32 on the round-tripped weights."""
     engine = Engine.load(tiny_qwen2_q8_engine, StepMode.COMPILED)
-    assert engine.config.weight_formats == dict.fromkeys(_all_linears(engine.config.spec.num_layers), "q8_0")
+    expected = {**dict.fromkeys(_all_linears(engine.config.spec.num_layers), "q8_0"), "embed": "q8_0"}
+    assert engine.config.weight_formats == expected  # the tied embedding reads the head's tiles
     hf = _dequantized_hf(tiny_qwen2_dir, WeightFormat.Q8_0)
     for prompt in prompts(engine.config.spec.vocab_size, [5, 23, 40], seed=7):
         assert greedy_generate(engine, prompt, 24) == _hf_greedy(hf, prompt, 24)
@@ -224,10 +226,25 @@ def test_block_weights_refuse_tensorrt_and_bf16(
     assert not (tmp_path / "engine").exists()
 
 
-def test_blocks_not_matching_transformers_fail_the_build(
-    tiny_q4_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_qk_unpermutation_is_what_makes_blocks_match_transformers(
+    tiny_q4_gguf: Path, tiny_q4_gguf_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The safety check: Q/K blocks left in llama.cpp's row order dequantize to other weights."""
-    monkeypatch.setattr(gguf_blocks, "PERMUTED_ARCHITECTURES", ())
-    with pytest.raises(BuildError, match=r"layers\.0\.attn\.qkv do not dequantize"):
-        build_engine(tiny_q4_gguf, tmp_path / "engine", BuildOptions(**TINY_LIMITS))
+    """The reader's own Q/K row un-permutation is load-bearing: Q/K blocks left in llama.cpp's row
+    order give other logits than transformers' load of the same file."""
+    monkeypatch.setattr(gguf_tensors, "PERMUTED_ARCHITECTURES", ())
+    folder = tmp_path / "engine"
+    build_engine(tiny_q4_gguf, folder, BuildOptions(compute="fp32", **TINY_LIMITS))
+    engine = Engine.load(folder, StepMode.COMPILED)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny_q4_gguf.parent, gguf_file=tiny_q4_gguf.name, dtype=torch.float32
+    ).eval()
+    prompt = prompts(engine.config.spec.vocab_size, [23], seed=7)[0]
+    block_size = engine.config.limits.block_size
+    inputs = build_step_inputs([RequestSlice(prompt, 0, list(range(2)), sample=True)], block_size)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    kept = Engine.load(tiny_q4_gguf_engine, StepMode.COMPILED)
+    right = (kept.step(inputs)[0] - expected).abs().max().item()
+    wrong = (engine.step(inputs)[0] - expected).abs().max().item()
+    # Permuted rows pair other dimensions under RoPE: the logits move far past the kernels' rounding.
+    assert wrong > 20 * right, (right, wrong)

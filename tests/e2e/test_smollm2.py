@@ -22,7 +22,9 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 @pytest.fixture(scope="module")
 def smollm2_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     output = tmp_path_factory.mktemp("smollm2") / "engine"
-    build_engine(None, output, BuildOptions(max_batch_size=4, max_num_tokens=128, max_seq_len=512, dtype="fp32"))
+    build_engine(
+        None, output, BuildOptions(max_batch_size=4, max_num_tokens=128, max_seq_len=512, dtype="fp32", compute="fp32")
+    )
     return output
 
 

@@ -1,0 +1,95 @@
+"""A Hugging Face checkpoint folder's tensors under our network's names, read one at a time.
+
+`safe_open` maps each *.safetensors file; a tensor is read (and converted to fp32) only when its
+module is built, so a bf16 checkpoint is never held whole in fp32 (`load_file` + `.float()` on
+every tensor needed 2x the checkpoint in fp32 before the first module was converted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ifb.builder.errors import SourceError
+from ifb.builder.gguf_tensors import TensorInfo
+from ifb.runtime.engine_format import ModelSpec
+
+_LAYER_LINEARS = {
+    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down": ("mlp.down_proj",),
+}
+_LAYER_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+_TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+class CheckpointTensors:
+    """The tensors of an HF Llama/Qwen2 checkpoint folder, read on demand (all dense)."""
+
+    def __init__(self, folder: Path, spec: ModelSpec) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self.spec = spec
+        self._files: dict[str, object] = {}
+        self._where: dict[str, str] = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except SafetensorError as error:
+                raise SourceError(f"cannot read weights {file}: {error}") from error
+            self._files[file.name] = handle
+            self._where.update(dict.fromkeys(handle.keys(), file.name))  # type: ignore[attr-defined]
+        self.linears = self._linear_parts()
+        self.dense = self._dense_parts()
+        missing = sorted(
+            {n for names in (*self.linears.values(), *self.dense.values()) for n in names} - set(self._where)
+        )
+        if missing:
+            raise SourceError(f"{folder} lacks tensors the {spec.architecture} network needs: {', '.join(missing[:8])}")
+
+    def _linear_parts(self) -> dict[str, tuple[str, ...]]:
+        parts: dict[str, tuple[str, ...]] = {}
+        for i in range(self.spec.num_layers):
+            for module, names in _LAYER_LINEARS.items():
+                parts[f"layers.{i}.{module}"] = tuple(f"model.layers.{i}.{name}.weight" for name in names)
+        untied = not self.spec.tie_word_embeddings and "lm_head.weight" in self._where
+        parts["lm_head"] = ("lm_head.weight",) if untied else ("model.embed_tokens.weight",)
+        return parts
+
+    def _dense_parts(self) -> dict[str, tuple[str, ...]]:
+        parts: dict[str, tuple[str, ...]] = {
+            "embed.weight": ("model.embed_tokens.weight",),
+            "norm.weight": ("model.norm.weight",),
+        }
+        for i in range(self.spec.num_layers):
+            for ours, theirs in _LAYER_NORMS.items():
+                parts[f"layers.{i}.{ours}.weight"] = (f"model.layers.{i}.{theirs}.weight",)
+            if self.spec.attention_bias:
+                parts[f"layers.{i}.attn.qkv.bias"] = tuple(
+                    f"model.layers.{i}.{name}.bias" for name in _LAYER_LINEARS["attn.qkv"]
+                )
+        return parts
+
+    def _slice(self, name: str) -> object:
+        return self._files[self._where[name]].get_slice(name)  # type: ignore[attr-defined]
+
+    def info(self, name: str) -> TensorInfo:
+        piece = self._slice(name)
+        shape = piece.get_shape()  # type: ignore[attr-defined]
+        dtype = piece.get_dtype()  # type: ignore[attr-defined]
+        itemsize = {"F32": 4, "F16": 2, "BF16": 2}.get(dtype, 4)
+        cols = int(shape[1]) if len(shape) > 1 else int(shape[0])
+        rows = int(shape[0]) if len(shape) > 1 else 1
+        return TensorInfo(name, dtype, rows, cols, int(torch.Size(shape).numel()) * itemsize)
+
+    def block_rows(self, name: str) -> torch.Tensor:
+        raise ValueError(f"{name}: a checkpoint folder holds no GGUF blocks")
+
+    def fp32(self, name: str) -> torch.Tensor:
+        return self._files[self._where[name]].get_tensor(name).float()  # type: ignore[attr-defined]
+
+    def fused_fp32(self, names: tuple[str, ...]) -> torch.Tensor:
+        parts = [self.fp32(name) for name in names]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -1,0 +1,169 @@
+"""A GGUF file's tensors under our network's names, memory-mapped and read one at a time.
+
+The builder never loads a GGUF whole: `gguf.GGUFReader` maps the file, and each tensor is turned
+into what the engine stores only when its module is built — raw block rows for the formats our
+kernels read (`GGUF_TYPE_NAMES`), fp32 for the rest (F32/F16/BF16, and block types without a
+kernel, dequantized by `gguf.quants`). So the build's memory is the engine's weights plus one
+module in flight, not the ~20x of a dequantizing loader (a 1B Q4_K_M peaked at 24 GB through
+transformers' GGUF loader and was killed).
+
+Names: a fused module (qkv, gate_up) is the row concatenation of its GGUF tensors. llama.cpp
+writes Llama's attn_q/attn_k rows permuted for its rotary layout; we undo it with the row
+permutation transformers' GGUF loader applies (`_reverse_permute_weights`), and since a row of
+blocks is a row of weights, permuting block rows is exact.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ifb.builder.errors import SourceError
+from ifb.plugins.quant_formats import GGUF_TYPE_NAMES, WeightFormat
+from ifb.runtime.engine_format import ModelSpec
+
+PERMUTED_ARCHITECTURES = ("llama",)  # those whose q/k rows llama.cpp's converter permutes
+_LAYER_LINEARS = {
+    "attn.qkv": ("attn_q", "attn_k", "attn_v"),
+    "attn.o_proj": ("attn_output",),
+    "mlp.gate_up": ("ffn_gate", "ffn_up"),
+    "mlp.down": ("ffn_down",),
+}
+_LAYER_NORMS = {"input_norm": "attn_norm", "post_norm": "ffn_norm"}
+_DENSE_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def linear_parts(spec: ModelSpec, tensor_names: set[str]) -> dict[str, tuple[str, ...]]:
+    """Our linear module name -> the GGUF tensor names whose rows it concatenates, in order."""
+    parts: dict[str, tuple[str, ...]] = {}
+    for i in range(spec.num_layers):
+        for module, names in _LAYER_LINEARS.items():
+            parts[f"layers.{i}.{module}"] = tuple(f"blk.{i}.{name}.weight" for name in names)
+    untied = not spec.tie_word_embeddings and "output.weight" in tensor_names
+    parts["lm_head"] = ("output.weight",) if untied else ("token_embd.weight",)
+    return parts
+
+
+def dense_parts(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
+    """Our non-linear tensor names (norms, biases, the embedding table) -> GGUF tensor names."""
+    parts: dict[str, tuple[str, ...]] = {"embed.weight": ("token_embd.weight",), "norm.weight": ("output_norm.weight",)}
+    for i in range(spec.num_layers):
+        for ours, theirs in _LAYER_NORMS.items():
+            parts[f"layers.{i}.{ours}.weight"] = (f"blk.{i}.{theirs}.weight",)
+        if spec.attention_bias:
+            parts[f"layers.{i}.attn.qkv.bias"] = tuple(f"blk.{i}.{name}.bias" for name in _LAYER_LINEARS["attn.qkv"])
+    return parts
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One GGUF tensor's header: what it is and what keeping it costs."""
+
+    name: str
+    type_name: str
+    rows: int
+    cols: int
+    file_bytes: int
+
+    @property
+    def block_format(self) -> WeightFormat | None:
+        """The block format our kernels read it in, None where it must be dequantized."""
+        return GGUF_TYPE_NAMES.get(self.type_name)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.type_name in _DENSE_TYPES
+
+
+class GgufTensors:
+    """The tensors of one GGUF file (memory-mapped), read on demand under our conventions."""
+
+    def __init__(self, path: Path, spec: ModelSpec) -> None:
+        import gguf
+
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except (ValueError, OSError) as error:
+            raise SourceError(f"cannot read GGUF tensors of {path}: {error}") from error
+        self._tensors: dict[str, Any] = {t.name: t for t in self._reader.tensors}
+        self.spec = spec
+        self.permute = _architecture(self._reader) in PERMUTED_ARCHITECTURES
+        self.linears = linear_parts(spec, set(self._tensors))
+        self.dense = dense_parts(spec)
+        missing = sorted(
+            {name for names in (*self.linears.values(), *self.dense.values()) for name in names} - set(self._tensors)
+        )
+        if missing:
+            raise SourceError(f"{path} lacks tensors the {spec.architecture} network needs: {', '.join(missing[:8])}")
+
+    def info(self, name: str) -> TensorInfo:
+        tensor = self._tensors[name]
+        cols = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+        rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+        return TensorInfo(name, tensor.tensor_type.name, rows, cols, int(tensor.n_bytes))
+
+    def block_rows(self, name: str) -> torch.Tensor:
+        """uint8 [rows, row bytes]: the tensor's blocks, copied out of the mapping, q/k un-permuted."""
+        tensor = self._tensors[name]
+        if GGUF_TYPE_NAMES.get(tensor.tensor_type.name) is None:
+            raise ValueError(f"{name} is {tensor.tensor_type.name}, not a block format our kernels read")
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+        self._release(tensor)
+        return self._unpermuted(name, rows)
+
+    def fp32(self, name: str) -> torch.Tensor:
+        """The tensor as fp32 in torch's [rows, cols] order (dequantized where stored as blocks)."""
+        import gguf
+
+        tensor = self._tensors[name]
+        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))  # F32 comes back as the mapping
+        self._release(tensor)
+        return self._unpermuted(name, out)
+
+    def _release(self, tensor: Any) -> None:
+        """Drop the tensor's pages from this process once copied: read through the mapping, a whole
+        file would otherwise stay resident beside the engine's copy (2x the file at peak)."""
+        mapping = getattr(self._reader.data, "_mmap", None)
+        if mapping is None:
+            return
+        start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = tensor.data_offset + tensor.n_bytes
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def fused_fp32(self, names: tuple[str, ...]) -> torch.Tensor:
+        parts = [self.fp32(name) for name in names]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _unpermuted(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        if not self.permute:
+            return rows
+        if ".attn_q." in name:
+            return unpermute_rows(rows, self.spec.num_heads)
+        if ".attn_k." in name:
+            return unpermute_rows(rows, self.spec.num_kv_heads)
+        return rows
+
+
+def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """transformers' `_reverse_permute_weights`, applied to whole rows (of weights or of blocks)."""
+    half = rows.shape[0] // num_heads // 2
+    order = torch.arange(rows.shape[0]).reshape(num_heads, half, 2).transpose(1, 2).reshape(-1)
+    return rows[order]
+
+
+def _architecture(reader: Any) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def gguf_tensor_types(path: Path) -> dict[str, str]:
+    """Tensor name -> GGUF type name, from the header only."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}

@@ -1,0 +1,176 @@
+"""The network's stored weights, planned from the source's headers and produced module by module.
+
+`plan_weights` decides, from tensor headers alone, what each weight becomes (`--weights`):
+  auto  a GGUF's blocks are kept in their own format wherever a kernel reads it — per part of a
+        fused module when its parts differ (Q4_K_M: Q4_K q/k beside a Q6_K v) — and the rest is
+        dequantized to fp32, with one warning naming the tensors and the bytes it costs; a
+        checkpoint folder stays dense;
+  qX    every linear quantized from fp32 (round-to-nearest per 32-weight block);
+  fp32  nothing kept as blocks.
+A block-format token embedding is read as block rows (tied: the head's own tiles), never an fp32
+vocabulary table. `network_state` then yields the stored tensors one module at a time from the
+mapped source, so the build holds the engine's weights plus one module in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ifb.builder.gguf_tensors import TensorInfo
+from ifb.plugins.quant_formats import BLOCK_SIZE, WeightCompute, WeightFormat, block_weights, quantize
+from ifb.runtime.engine_format import ModelSpec
+from ifb.runtime.step.network import EMBED_KEY, linear_part_rows
+from ifb.runtime.step.quant_linear import PACKERS
+from ifb.runtime.step.segmented_linear import part_formats, part_key, segment_parts
+
+logger = logging.getLogger(__name__)
+
+
+class TensorSource(Protocol):
+    """A model file's tensors under our names (gguf_tensors.GgufTensors, checkpoint_tensors.CheckpointTensors)."""
+
+    spec: ModelSpec
+    linears: dict[str, tuple[str, ...]]  # our linear module -> source tensors fused in row order
+    dense: dict[str, tuple[str, ...]]  # our norm/bias/embedding tensor -> source tensors
+
+    def info(self, name: str) -> TensorInfo: ...
+
+    def block_rows(self, name: str) -> torch.Tensor: ...
+
+    def fused_fp32(self, names: tuple[str, ...]) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPlan:
+    """What the engine stores: StepNetwork.weight_formats, and the source tensors dequantized."""
+
+    formats: dict[str, str]
+    dequantized: tuple[TensorInfo, ...]  # block-quantized in the file, no kernel: stored dense
+    quantized_from: str | None  # the --weights format every linear was quantized to, if any
+
+    @property
+    def has_blocks(self) -> bool:
+        return bool(self.formats)
+
+
+def plan_weights(source: TensorSource, weights: str) -> WeightPlan:
+    """The plan for `--weights` (auto, fp32, q8_0|q4_1|q4_0), from headers only."""
+    if weights == "fp32":
+        return WeightPlan({}, _non_dense(source, lambda info: True), None)
+    if weights != "auto":
+        return _quantize_plan(source, WeightFormat(weights))
+    formats: dict[str, str] = {}
+    for module, names in source.linears.items():
+        kept = [source.info(name).block_format or WeightFormat.FP32 for name in names]
+        if all(fmt is kept[0] for fmt in kept):
+            if kept[0] is not WeightFormat.FP32:
+                formats[module] = kept[0].value
+        else:
+            formats.update({part_key(module, i): fmt.value for i, fmt in enumerate(kept)})
+    embed = source.info(source.dense["embed.weight"][0]).block_format
+    if embed is not None:
+        formats[EMBED_KEY] = embed.value
+    return WeightPlan(formats, _non_dense(source, lambda info: info.block_format is None), None)
+
+
+def _quantize_plan(source: TensorSource, fmt: WeightFormat) -> WeightPlan:
+    formats: dict[str, str] = {}
+    unaligned: list[str] = []
+    for module, names in source.linears.items():
+        cols = source.info(names[0]).cols
+        if cols % BLOCK_SIZE:
+            unaligned.append(f"{module} (K={cols})")
+        else:
+            formats[module] = fmt.value
+    if unaligned:
+        logger.warning(
+            "%d weight(s) stay fp32: K is not a multiple of %d: %s", len(unaligned), BLOCK_SIZE, ", ".join(unaligned)
+        )
+    if source.spec.tie_word_embeddings and "lm_head" in formats:
+        formats[EMBED_KEY] = fmt.value  # the embedding reads the head's tiles
+    return WeightPlan(formats, (), fmt.value)
+
+
+def _non_dense(source: TensorSource, keep: object) -> tuple[TensorInfo, ...]:
+    """The distinct source tensors that are neither dense nor kept (so dequantized), in file order."""
+    names = dict.fromkeys(name for names in (*source.linears.values(), *source.dense.values()) for name in names)
+    infos = (source.info(name) for name in names)
+    return tuple(info for info in infos if not info.is_dense and keep(info))  # type: ignore[operator]
+
+
+def warn_dequantized(plan: WeightPlan, dtype_bytes: int) -> None:
+    """One warning for every block tensor stored dense, with what it costs."""
+    if not plan.dequantized:
+        return
+    file_bytes = sum(info.file_bytes for info in plan.dequantized)
+    dense_bytes = sum(info.rows * info.cols * dtype_bytes for info in plan.dequantized)
+    kinds = sorted({info.type_name for info in plan.dequantized})
+    logger.warning(
+        "%d GGUF tensor(s) in %s have no kernel here and are stored dequantized (%.1f MB in the file -> "
+        "%.1f MB in the engine): %s",
+        len(plan.dequantized),
+        "/".join(kinds),
+        file_bytes / 1e6,
+        dense_bytes / 1e6,
+        ", ".join(f"{info.name} ({info.type_name})" for info in plan.dequantized),
+    )
+
+
+def network_state(source: TensorSource, plan: WeightPlan, compute: WeightCompute) -> Iterator[tuple[str, torch.Tensor]]:
+    """The network's stored tensors, one module at a time (fp32 for dense ones)."""
+    spec = source.spec
+    packer = PACKERS[compute]
+    for module in linear_part_rows(spec):
+        names = source.linears[module]
+        per_part = part_formats(plan.formats, module, len(names))
+        if per_part is not None:
+            for index, parts in enumerate(segment_parts(per_part)):
+                segment = tuple(names[i] for i in parts)
+                yield from _stored_linear(source, f"{module}.parts.{index}", per_part[parts[0]], segment, packer, plan)
+            continue
+        fmt = WeightFormat(plan.formats.get(module, WeightFormat.FP32.value))
+        if module == "lm_head" and spec.tie_word_embeddings and fmt is WeightFormat.FP32:
+            continue  # the network ties a dense head to the embedding table
+        yield from _stored_linear(source, module, fmt, names, packer, plan)
+    for name, parts in source.dense.items():
+        if name == "embed.weight" and EMBED_KEY in plan.formats:
+            yield from _stored_embedding(source, plan, parts[0])
+        else:
+            yield name, source.fused_fp32(parts)
+
+
+def _stored_linear(
+    source: TensorSource,
+    module: str,
+    fmt: WeightFormat,
+    names: tuple[str, ...],
+    packer: object,
+    plan: WeightPlan,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if fmt is WeightFormat.FP32:
+        yield f"{module}.weight", source.fused_fp32(names)
+        return
+    if plan.quantized_from is not None:
+        rows = quantize(source.fused_fp32(names), fmt)
+    else:
+        parts = [source.block_rows(name) for name in names]
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    n = sum(source.info(name).rows for name in names)
+    k = source.info(names[0]).cols
+    yield f"{module}.packed", packer(rows, fmt, n, k)  # type: ignore[operator]
+
+
+def _stored_embedding(source: TensorSource, plan: WeightPlan, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The embedding's own tiles, unless it reads the tied head's (then nothing to store)."""
+    fmt = WeightFormat(plan.formats[EMBED_KEY])
+    if source.spec.tie_word_embeddings and plan.formats.get("lm_head") == fmt.value:
+        return
+    info = source.info(name)
+    if info.cols % block_weights(fmt):
+        raise ValueError(f"{name}: {info.cols} columns is not a multiple of {fmt.value}'s block")
+    yield "embed.packed", PACKERS[WeightCompute.FP32](source.block_rows(name), fmt, info.rows, info.cols)
