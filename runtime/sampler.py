@@ -130,7 +130,9 @@ class Sampler:
         if bool(greedy.all()):
             return tokens
         temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], dtype=logits.dtype)
-        scaled = logits / temperature[:, None]
+        # A masked (-inf) logit stays -inf at any temperature: the division may run as a multiply by
+        # the reciprocal, which flushes to 0 past ~1e38 (-inf * 0 = NaN let a disallowed token win).
+        scaled = torch.where(torch.isneginf(logits), logits, logits / temperature[:, None])
         top_k = torch.tensor([r.params.top_k for r in requests], dtype=torch.long)
         top_p = torch.tensor([r.params.top_p for r in requests], dtype=logits.dtype)
         min_p = torch.tensor([r.params.min_p for r in requests], dtype=logits.dtype)

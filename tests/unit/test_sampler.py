@@ -221,3 +221,12 @@ def test_row_with_filters_off_keeps_every_token_when_the_batch_is_filtered() -> 
     logits = torch.randn(2, 151_000, generator=torch.Generator().manual_seed(0)) * 3
     filtered = _filter(logits, torch.tensor([0, 5]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0]))
     assert torch.equal(filtered[0], logits[0])
+
+
+def test_masked_tokens_stay_masked_at_the_largest_temperature() -> None:
+    """A -inf logit (a grammar's mask) is never drawn, even at temperature 3.4e38, where a
+    reciprocal multiply flushed to zero once turned -inf into NaN and let token 0 win."""
+    logits = logits_of(0.5, 1.0, 0.9, 0.2, 0.8)
+    logits[0, :3] = float("-inf")
+    drawn = draws(make_request(temperature=3.4028235677973366e38), logits)
+    assert drawn and drawn <= set(range(3, VOCAB))
