@@ -45,18 +45,20 @@ DEFAULT_BANDWIDTH_GBS = 36.0  # this machine's measured single-socket read bandw
 
 def weight_read_bytes(config: EngineConfig, num_tokens: int) -> int:
     """Bytes of weights one step of `num_tokens` reads: all but the embedding table, of which it
-    gathers `num_tokens` rows (the whole table when it is also the fp32 LM head)."""
+    gathers `num_tokens` rows (the whole table when it is also the fp32 LM head; a block table
+    tied to the head is the head's tiles, read whole by the head)."""
     total = 0
+    vocab = config.spec.vocab_size
     with safe_open(str(config.weights_path), framework="pt") as weights:
         for name in weights.keys():
             tensor = weights.get_slice(name)
-            rows, *rest = tensor.get_shape()
-            row_bytes = _DTYPE_BYTES[tensor.get_dtype()] * math.prod(rest)
+            shape = tensor.get_shape()
+            tensor_bytes = _DTYPE_BYTES[tensor.get_dtype()] * math.prod(shape)
             head_is_embedding = config.spec.tie_word_embeddings and "lm_head" not in config.weight_formats
-            if name == "embed.weight" and not head_is_embedding:
-                total += min(rows, num_tokens) * row_bytes
+            if name in ("embed.weight", "embed.packed") and not head_is_embedding:
+                total += min(vocab, num_tokens) * tensor_bytes // vocab  # the gathered rows only
             elif name != "rope.inv_freq":
-                total += rows * row_bytes
+                total += tensor_bytes
     return total
 
 

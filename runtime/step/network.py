@@ -182,7 +182,8 @@ class StepNetwork(nn.Module):
     ) -> None:
         super().__init__()
         self.spec = spec
-        self.weight_formats = dict(weight_formats or {})  # module name -> block format; absent = fp32
+        # module name (or `module[part]`, segmented_linear.py; or "embed") -> stored format; absent = dense
+        self.weight_formats = dict(weight_formats or {})
         self.weight_compute = WeightCompute(weight_compute)  # how the block-format layers multiply
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, block_size, ops) for _ in range(spec.num_layers))
