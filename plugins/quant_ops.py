@@ -18,8 +18,8 @@ bits above the nibbles (Q5: 5th bits; Q6_K: 2-bit highs), then the nibbles (or Q
     Q4_1  d[16] | m[16] | quants           Q5_1  d[16] | m[16] | qh | quants
     Q8_0  d[16] | int8 quants[32 k][16]
     Q4_K  d[16] | dmin[16] | scales[12 bytes][16] | quants per sub-block s = 0..7
-    Q5_K  d[16] | dmin[16] | scales[12][16] | qh per sub-block | quants per sub-block
-    Q6_K  d[16] | scales[16 groups][16] int8 | highs per sub-block | quants per sub-block
+    Q5_K  d[16] | dmin[16] | scales[12][16] | (qh, quants) per sub-block
+    Q6_K  d[16] | scales[16 groups][16] int8 | (highs, quants) per sub-block
 
 (fp16 fields as [16 columns]; K-quants' 12 scale bytes and Q6_K's 16 scales as GGUF stores them,
 byte row r = byte r of every column.) Per 32-weight (sub-)block, 16 columns x 16 bytes of nibbles
@@ -32,7 +32,8 @@ and the high bits, in two orders:
     pack_int8:     nibbles group g = 0..3, column c's 4-byte lane, byte b: weight 8g+b (low) and
                    8g+4+b (high), so one 64-byte load is 16 columns x 4 consecutive k
                    qh: lane byte b, bit g = weight 8g+b's, bit 4+g = weight 8g+4+b's 5th bit
-                   Q6_K highs: 2 vectors v, lane byte b, bits 2p = weight 16v+4p+b's highs
+                   Q6_K highs: 2 vectors v, lane byte b: weight 16v+4p+b's 2 bits at bit
+                   (4, 6, 0, 2)[p], so the kernel shifts only half of them
                    Q8_0: group g = 0..7, lane byte b = weight 4g+b
 
 Tensor: uint8 [ceil(N/16), K/block_weights * 16 * block_bytes].
@@ -230,19 +231,23 @@ def _tile_block_fields(blocks: torch.Tensor, fmt: WeightFormat, int8_layout: boo
         # row i, column byte: weights 2i (low nibble), 2i + 1 (high) -> [B, sub, i, col]
         quants = _pack_bits(low.reshape(num, TILE_COLUMNS, subs, 16, 2), 4).permute(0, 2, 3, 1)
     bits = high_bits(fmt)
+    if bits == 0:
+        fields.append(quants.reshape(num, -1))
+        return torch.cat(fields, dim=-1).reshape(*lead, -1)
     if bits == 1 and not int8_layout:  # a uint32 per column: bit e = weight e's 5th bit -> [B, sub, col, byte]
-        fields.append(_pack_bits(high.reshape(num, TILE_COLUMNS, subs, 4, 8), 1).transpose(1, 2).reshape(num, -1))
+        extra = _pack_bits(high.reshape(num, TILE_COLUMNS, subs, 4, 8), 1).transpose(1, 2)
     elif bits == 1:  # byte b of a column: bit g = weight 8g + b, bit 4 + g = weight 8g + 4 + b
         pieces = high.reshape(num, TILE_COLUMNS, subs, 4, 2, 4).permute(0, 1, 2, 5, 4, 3).flatten(-2)  # [.., b, 4h+g]
-        fields.append(_pack_bits(pieces, 1).transpose(1, 2).reshape(num, -1))
+        extra = _pack_bits(pieces, 1).transpose(1, 2)
     elif bits == 2 and not int8_layout:  # rows h of a uint32 per column, bits 2e' = weight 16h + e'
         # -> [B, sub, h, col, byte]
         pieces = high.reshape(num, TILE_COLUMNS, subs, 2, 4, 4)  # [.., h, byte, t]: weight 16h + 4 byte + t
-        fields.append(_pack_bits(pieces, 2).permute(0, 2, 3, 1, 4).reshape(num, -1))
-    elif bits == 2:  # vector v, byte b: bits 2p = weight 16v + 4p + b -> [B, sub, v, col, b]
+        extra = _pack_bits(pieces, 2).permute(0, 2, 3, 1, 4)
+    elif bits == 2:  # vector v, byte b: weight 16v + 4p + b's 2 bits at bit (4, 6, 0, 2)[p] -> [B, sub, v, col, b]
         pieces = high.reshape(num, TILE_COLUMNS, subs, 2, 4, 4).transpose(-1, -2)  # [.., v, b, p]
-        fields.append(_pack_bits(pieces, 2).permute(0, 2, 3, 1, 4).reshape(num, -1))
-    fields.append(quants.reshape(num, -1))
+        extra = _pack_bits(pieces[..., [2, 3, 0, 1]], 2).permute(0, 2, 3, 1, 4)
+    # Each sub-block's high bits right before its nibbles: the kernel reads a tile front to back.
+    fields.append(torch.cat([extra.reshape(num, subs, -1), quants.reshape(num, subs, -1)], dim=-1).reshape(num, -1))
     return torch.cat(fields, dim=-1).reshape(*lead, -1)
 
 

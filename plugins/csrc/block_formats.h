@@ -92,17 +92,17 @@ struct Block {
       offset = mul(halves(base + 32), to_float(mn));
       if constexpr (F == Format::kQ4_K) {
         quants = base + 256 + 256 * sub;
-      } else {
-        high[0] = load_bytes(base + 256 + 64 * sub);
-        quants = base + 768 + 256 * sub;
+      } else {  // (qh, quants) per sub-block, so a tile is read front to back
+        high[0] = load_bytes(base + 256 + 320 * sub);
+        quants = base + 256 + 320 * sub + 64;
       }
     } else {  // Q6_K
       for (int h = 0; h < 2; ++h) {
         int_scale[h] = bytes_signed(base + 32 + 16 * (2 * sub + h));
         scale[h] = mul(d, to_float(int_scale[h]));
-        high[h] = load_bytes(base + 288 + 128 * sub + 64 * h);
+        high[h] = load_bytes(base + 288 + 384 * sub + 64 * h);
       }
-      quants = base + 1312 + 256 * sub;
+      quants = base + 288 + 384 * sub + 128;
     }
   }
 
@@ -131,12 +131,12 @@ struct Block {
       const QI raw = bytes_unsigned(quants + 16 * i);
       QI q0 = low_nibble(raw), q1 = high_nibble(raw);
       if constexpr (high_bits<F>() == 1) {  // one uint32 per column, bit e = weight e's 5th bit
-        q0 = or_(q0, mask(shift_bit(high[0], 2 * i, 4), 16));
-        q1 = or_(q1, mask(shift_bit(high[0], 2 * i + 1, 4), 16));
+        q0 = merge_bits(q0, shift_bit(high[0], 2 * i, 4), splat(16));
+        q1 = merge_bits(q1, shift_bit(high[0], 2 * i + 1, 4), splat(16));
       } else if constexpr (high_bits<F>() == 2) {  // two rows of uint32, bits 2e' of weight 16h + e'
         const QI& h = high[i / 8];
-        q0 = or_(q0, mask(shift_bit(h, (4 * i) % 32, 4), 0x30));
-        q1 = or_(q1, mask(shift_bit(h, (4 * i + 2) % 32, 4), 0x30));
+        q0 = merge_bits(q0, shift_bit(h, (4 * i) % 32, 4), splat(0x30));
+        q1 = merge_bits(q1, shift_bit(h, (4 * i + 2) % 32, 4), splat(0x30));
       }
       w0 = weight(q0, 2 * i);
       w1 = weight(q1, 2 * i + 1);
@@ -149,12 +149,14 @@ struct Block {
     lo = low_nibbles(raw);
     hi = high_nibbles(raw);
     if constexpr (high_bits<F>() == 1) {  // byte b of a column: bit g = weight 8g+b, bit g+4 = 8g+4+b
-      lo = or_(lo, shift_bits8(high[0], g, 4, 0x10));
-      hi = or_(hi, shift_bits8(high[0], g + 4, 4, 0x10));
-    } else if constexpr (high_bits<F>() == 2) {  // vector g/2, byte b: 2-bit fields for 4 weights
-      const int p = 2 * (g % 2);
-      lo = or_(lo, shift_bits8(high[g / 2], 2 * p, 4, 0x30));
-      hi = or_(hi, shift_bits8(high[g / 2], 2 * p + 2, 4, 0x30));
+      lo = merge_bits(lo, move_bits8(high[0], g, 4), splat8(0x10));
+      hi = merge_bits(hi, move_bits8(high[0], g + 4, 4), splat8(0x10));
+    } else if constexpr (high_bits<F>() == 2) {
+      // Vector g/2, byte b: 2-bit fields of weights 8g+b (lo) and 8g+4+b (hi) at bits 4 and 6 for
+      // even g, 0 and 2 for odd g, so half of them need no shift at all.
+      const int at = g % 2 == 0 ? 4 : 0;
+      lo = merge_bits(lo, move_bits8(high[g / 2], at, 4), splat8(0x30));
+      hi = merge_bits(hi, move_bits8(high[g / 2], at + 2, 4), splat8(0x30));
     }
   }
 

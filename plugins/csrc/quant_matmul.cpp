@@ -101,6 +101,8 @@ void direct_tiles(const Problem& p, int64_t tile0, int64_t row0) {
     const float* xb = x + b * kBlockSize;
     Block<F> block[T];
     for (int t = 0; t < T; ++t) block[t] = Block<F>(tiles + t * stride, b);
+    // Unrolled: each pair's high-bit positions become constant shifts.
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
       V w[2][T];
       for (int t = 0; t < T; ++t) block[t].exact_pair(i, w[0][t], w[1][t]);
@@ -127,6 +129,7 @@ void dequantize_panel(const Problem& p, int64_t tile0, int tiles, int64_t block0
     for (int64_t b = 0; b < num_blocks; ++b) {
       const Block<F> block(p.packed + (tile0 + t) * tile_stride<F>(p.k), block0 + b);
       float* out = panel + b * kBlockSize * stride + t * kTileColumns;
+#pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) {
         V w0, w1;
         block.exact_pair(i, w0, w1);

@@ -104,6 +104,8 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0) {
         }
       }
     } else {
+      // Unrolled: each group's bit positions (and whether to shift at all) become constants.
+#pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         QI lo[T], hi[T];
         for (int t = 0; t < T; ++t) blocks[t].int8_group(g, lo[t], hi[t]);

@@ -69,6 +69,8 @@ inline QI srai(QI q, unsigned n) { return {_mm512_srai_epi32(q.a, n)}; }
 // Bitwise.
 inline QI and_(QI a, QI b) { return {_mm512_and_si512(a.a, b.a)}; }
 inline QI or_(QI a, QI b) { return {_mm512_or_si512(a.a, b.a)}; }
+// a | (b & keep) in one instruction (vpternlogd truth table 0xF8).
+inline QI merge_bits(QI a, QI b, QI keep) { return {_mm512_ternarylogic_epi32(a.a, b.a, keep.a, 0xF8)}; }
 // Byte-wise: shifts are per 16-bit lane, so callers mask the bits that cross a byte.
 inline QI splat8(int8_t x) { return {_mm512_set1_epi8(x)}; }
 inline QI srli16(QI q, unsigned n) { return {_mm512_srli_epi16(q.a, n)}; }
@@ -190,6 +192,7 @@ inline QI srai(QI q, unsigned n) {
 }
 inline QI and_(QI a, QI b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
 inline QI or_(QI a, QI b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline QI merge_bits(QI a, QI b, QI keep) { return or_(a, and_(b, keep)); }
 inline QI splat8(int8_t x) {
   const __m256i b = _mm256_set1_epi8(x);
   return {b, b};
@@ -229,11 +232,11 @@ inline QI shift_bit(QI q, int from, int to) {
 // Byte-wise nibbles of 64 bytes.
 inline QI low_nibbles(QI q) { return and_(q, splat8(15)); }
 inline QI high_nibbles(QI q) { return and_(srli16(q, 4), splat8(15)); }
-// Byte-wise: moves bit `from` (0..7) of every byte to bit `to`, then keeps `keep`. A 16-bit shift
-// by s brings the neighbouring byte's bits only into positions `keep` must exclude.
-inline QI shift_bits8(QI q, int from, int to, int8_t keep) {
-  const QI moved = from >= to ? srli16(q, static_cast<unsigned>(from - to)) : slli16(q, static_cast<unsigned>(to - from));
-  return and_(moved, splat8(keep));
+// Byte-wise: moves bit `from` (0..7) of every byte to bit `to`. A 16-bit shift by s also brings
+// s bits of the neighbouring byte in, at positions the caller's mask must exclude.
+inline QI move_bits8(QI q, int from, int to) {
+  if (from == to) return q;
+  return from > to ? srli16(q, static_cast<unsigned>(from - to)) : slli16(q, static_cast<unsigned>(to - from));
 }
 
 }  // namespace
