@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +149,13 @@ def tree_memory(pid: int) -> dict[str, float]:
 class PeakPoller:
     """Polls a process tree's RSS until stopped or the process is gone; keeps the peak."""
 
-    def __init__(self, pid: int, interval: float = 0.2, cap_bytes: float | None = None, on_cap=None):
+    def __init__(self, pid: int, interval: float = 0.2, cap_bytes: float | None = None, on_cap=None,
+                 min_available_bytes: float | None = None):  # fmt: skip
         self.pid, self.interval, self.cap, self.on_cap = pid, interval, cap_bytes, on_cap
+        self.min_available = min_available_bytes
         self.peak = {"rss": 0.0, "anon": 0.0}
         self.capped = False
+        self.cap_reason: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -161,8 +165,13 @@ class PeakPoller:
             m = tree_memory(self.pid)
             for k in self.peak:
                 self.peak[k] = max(self.peak[k], m[k])
-            if self.cap is not None and m["rss"] > self.cap and not self.capped:
-                self.capped = True
+            reason = None
+            if self.cap is not None and m["rss"] > self.cap:
+                reason = f"tree RSS {m['rss'] / 1e9:.1f} GB > cap {self.cap / 1e9:.1f} GB"
+            elif self.min_available is not None and (avail := psutil.virtual_memory().available) < self.min_available:
+                reason = f"machine's available memory {avail / 1e9:.1f} GB < {self.min_available / 1e9:.1f} GB (tree RSS {m['rss'] / 1e9:.1f} GB)"
+            if reason and not self.capped:
+                self.capped, self.cap_reason = True, reason
                 if self.on_cap is not None:
                     self.on_cap()
             self._stop.wait(self.interval)
@@ -186,12 +195,23 @@ def folder_bytes(path: Path) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def engine_summary(out: Path) -> dict[str, Any]:
+    """What engine.json says the builder made: dtypes, compute mode, block formats, kernel ISA, stage times."""
+    cfg = json.loads((out / "engine.json").read_text())
+    keys = ("dtype", "kv_dtype", "weight_compute", "weight_formats", "backend", "build_options", "build")
+    summary = {k: cfg.get(k) for k in keys}
+    summary["kernel_isa"] = (cfg.get("kernels") or {}).get("isa")
+    return summary
+
+
 def build_engine(ifb_cmd: list[str], gguf: Path, out: Path, compute: str, args) -> dict[str, Any]:
     record_path = out.with_name(out.name + ".build.json")
     if record_path.is_file() and not args.rebuild:
         rec = json.loads(record_path.read_text())
         if rec.get("ok") or not args.retry_failed:
             rec["cached"] = True
+            if rec.get("ok") and (out / "engine.json").is_file():
+                rec["engine_json"] = engine_summary(out)
             print(
                 f"[build {out.name}] cached record ({'ok' if rec.get('ok') else 'FAILED'}): {record_path.name}",
                 flush=True,
@@ -219,7 +239,7 @@ def build_engine(ifb_cmd: list[str], gguf: Path, out: Path, compute: str, args) 
         except ProcessLookupError:
             pass
 
-    poller = PeakPoller(proc.pid, cap_bytes=cap, on_cap=kill_group)
+    poller = PeakPoller(proc.pid, cap_bytes=cap, on_cap=kill_group, min_available_bytes=args.min_available_gb * 1e9)
     timed_out = False
     while True:
         pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
@@ -240,6 +260,7 @@ def build_engine(ifb_cmd: list[str], gguf: Path, out: Path, compute: str, args) 
         "ok": ok,
         "exit_code": proc.returncode,
         "killed_at_rss_cap": poller.capped,
+        "kill_reason": poller.cap_reason,
         "rss_cap_gb": args.rss_cap_gb,
         "timed_out": timed_out,
         "wall_s": round(wall, 1),
@@ -258,16 +279,19 @@ def build_engine(ifb_cmd: list[str], gguf: Path, out: Path, compute: str, args) 
             for f in sorted(out.rglob("*"))
             if f.is_file() and f.stat().st_size > 1 << 20
         }
-        cfg = json.loads((out / "engine.json").read_text())
-        rec["engine_json"] = {
-            k: cfg.get(k) for k in ("dtype", "kv_dtype", "compute", "weight_formats", "kernels", "backend")
-        }
+        rec["engine_json"] = engine_summary(out)
     else:
         rec["log_tail"] = log.read_text(errors="replace")[-2000:]
     what = (
         "ok"
         if ok
-        else ("KILLED at RSS cap" if poller.capped else "TIMED OUT" if timed_out else f"FAILED rc={proc.returncode}")
+        else (
+            f"KILLED ({poller.cap_reason})"
+            if poller.capped
+            else "TIMED OUT"
+            if timed_out
+            else f"FAILED rc={proc.returncode}"
+        )
     )
     print(f"[build {out.name}] {what}: {wall:.0f} s, peak RSS {rec['peak_tree_rss_gb']} GB (tree), "
           f"{rec['ru_maxrss_gb']} GB (ru_maxrss)" + (f", engine {rec['engine_bytes'] / 1e9:.2f} GB" if ok else ""),
@@ -347,6 +371,20 @@ def serve_numbers(r: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def engine_desc(build: dict[str, Any] | None) -> str:
+    """' [compute; formats]' of a built engine, e.g. ' [int8; q4_0 ×112, lm_head q8_0, rest fp32]'."""
+    ej = (build or {}).get("engine_json") if (build or {}).get("ok") else None
+    if not ej:
+        return ""
+    formats = ej.get("weight_formats") or {}
+    counts = Counter(v for k, v in formats.items() if k != "lm_head")
+    parts = [f"{f} ×{n}" for f, n in counts.most_common()]
+    if "lm_head" in formats:
+        parts.append(f"head {formats['lm_head']}")
+    parts.append("rest fp32" if formats else "all fp32")
+    return f" [{ej.get('weight_compute')}, {ej.get('dtype')}; {', '.join(parts)}]"
+
+
 def table(results: dict[str, Any], clients: int) -> str:
     head = ("| model (file) | server | build s | build peak RSS GB | engine GB | RSS warm GB (anon) | 1 stream tok/s "
             f"| 1 stream TTFT ms | {clients} clients tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms |")  # fmt: skip
@@ -357,7 +395,9 @@ def table(results: dict[str, Any], clients: int) -> str:
         llama = serve_numbers(m.get("llama"))
         rows = [("llama-server", None, llama, None)]
         for compute, e in m.get("ifb", {}).items():
-            rows.append((f"ifb {compute}", e.get("build"), serve_numbers(e.get("serve")), e))
+            rows.append(
+                (f"ifb {compute}{engine_desc(e.get('build'))}", e.get("build"), serve_numbers(e.get("serve")), e)
+            )
         for i, (name, build, s, e) in enumerate(rows):
             if build is None:
                 bcols = ["—", "—", "—"]
@@ -365,7 +405,7 @@ def table(results: dict[str, Any], clients: int) -> str:
                     name += " (FAILED)"
             elif not build.get("ok"):
                 why = (
-                    "killed at cap"
+                    "killed: " + str(build.get("kill_reason") or "RSS cap")
                     if build.get("killed_at_rss_cap")
                     else "timeout"
                     if build.get("timed_out")
@@ -417,12 +457,17 @@ def main() -> None:
     parser.add_argument("--ctx-margin", type=int, default=128, help="extra tokens per sequence in both KV sizes")
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t, ifb run --threads, llama-quantize")
     parser.add_argument("--rss-cap-gb", type=float, default=22.0, help="kill a build whose process tree passes this")
+    parser.add_argument("--min-available-gb", type=float, default=1.0,
+                        help="also kill a build when the machine's available memory drops below this")  # fmt: skip
     parser.add_argument("--build-timeout", type=float, default=3600)
     parser.add_argument("--build-threads-env", action="store_true", help="set OMP_NUM_THREADS=--threads for builds")
     parser.add_argument("--rebuild", action="store_true", help="rebuild engines that have a build record")
     parser.add_argument("--retry-failed", action="store_true", help="rebuild engines whose recorded build failed")
     parser.add_argument("--ifb-rev", default=None, help="run ifb from `git archive REV` (e.g. HEAD)")
     parser.add_argument("--ifb-tree", default=None, help="run ifb from this source tree")
+    parser.add_argument(
+        "--label", default=None, help="suffix for engine folders and table rows (e.g. the builder's commit)"
+    )
     parser.add_argument("--skip-serve", action="store_true", help="build only, no serving comparison")
     parser.add_argument("--skip-llama", action="store_true", help="serve ifb only")
     parser.add_argument("--skip-build", action="store_true", help="never build llama.cpp (use the cached tools)")
@@ -430,7 +475,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--merge", action="store_true", help="keep other models' entries of an existing JSON")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--report", action="store_true", help="print the table of an existing --output and exit")
     args = parser.parse_args()
+    if args.report:
+        data = json.loads(args.output.read_text())
+        print(report(data))
+        return
 
     models = [m for m in args.models.split(",") if m]
     unknown = set(models) - set(MODELS)
@@ -457,7 +507,11 @@ def main() -> None:
         }
 
     previous = json.loads(args.output.read_text()).get("results", {}) if args.merge and args.output.is_file() else {}
-    results: dict[str, Any] = {k: v for k, v in previous.items() if k not in models}
+    results: dict[str, Any] = dict(previous)
+    for m in results.values():  # kept entries: engine.json details in today's form
+        for e in m.get("ifb", {}).values():
+            if (e.get("build") or {}).get("ok") and (ROOT / e["engine"] / "engine.json").is_file():
+                e["build"]["engine_json"] = engine_summary(ROOT / e["engine"])
     ENGINES.mkdir(parents=True, exist_ok=True)
     ctx = args.clients * (args.prompt_tokens + args.max_tokens + args.ctx_margin)
     for model in models:
@@ -467,15 +521,26 @@ def main() -> None:
             "file_mb": gguf.stat().st_size / 1e6,
             "tensor_types": tensor_types(gguf),
             "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "workload": workload(args),
+            "ifb_source": ifb_desc,
             "ifb": {},
         }
+        prev = previous.get(model)
+        if prev:  # --merge: keep the other builds (other --compute / --label) and, with --skip-llama, llama's run
+            entry["ifb"] = dict(prev.get("ifb", {}))
+            if args.skip_llama and "llama" in prev:
+                entry["llama"] = prev["llama"]
         results[model] = entry
+        keys_now = []
         for compute in computes:
-            engine = ENGINES / f"{model}-{compute}"
-            entry["ifb"][compute] = {
+            key = f"{compute}@{args.label}" if args.label else compute
+            engine = ENGINES / f"{model}-{compute}{'-' + args.label if args.label else ''}"
+            entry["ifb"][key] = {
                 "engine": str(engine.relative_to(ROOT)),
+                "ifb_source": ifb_desc,
                 "build": build_engine(ifb_cmd, gguf, engine, compute, args),
             }
+            keys_now.append(key)
         if args.skip_serve:
             continue
         if not args.skip_llama:
@@ -487,7 +552,8 @@ def main() -> None:
                 BYO / f"{model}.llama-server.log", f"http://127.0.0.1:{port}", "content",
             )  # fmt: skip
             entry["llama"] = serve(llama, args, prompts)
-        for compute, e in entry["ifb"].items():
+        for compute in keys_now:
+            e = entry["ifb"][compute]
             if not e["build"].get("ok"):
                 continue
             port = peers.free_port()
@@ -508,34 +574,79 @@ def main() -> None:
 
     write_json(args, results, isa, ifb_desc, llama_build, ctx)
     print()
-    print(f"CPU: {isa['model_name']} ({os.cpu_count()} cores), ISA: {isa['summary']}; kernel ISA in engine.json: "
-          f"{sorted({str(((e.get('build') or {}).get('engine_json') or {}).get('kernels', {}).get('isa')) for m in results.values() for e in m.get('ifb', {}).values() if (e.get('build') or {}).get('ok')})}")  # fmt: skip
-    print(f"ifb: {ifb_desc}; llama.cpp: llama-cpp-python {llama_build.get('version')}")
-    print(f"{args.prompt_tokens}-token prompts, {args.max_tokens} output tokens (ignore_eos, temperature 0), streaming "
-          f"/v1/completions; 1 stream = {args.single_requests} sequential requests; {args.clients} concurrent clients; "
-          f"llama-server -np {args.clients} -t {args.threads} -c {ctx}; ifb engines --max-batch-size "
-          f"{args.max_batch_size}, same KV tokens. Ratios in () are ifb / llama-server.")  # fmt: skip
-    print(table(results, args.clients))
+    print(report(json.loads(args.output.read_text())))
+    print(f"wrote {args.output.relative_to(ROOT) if args.output.is_relative_to(ROOT) else args.output}")
+
+
+def report(data: dict[str, Any]) -> str:
+    """The printed summary of a results JSON (also `--report`)."""
+    results, isa, w = data["results"], data["cpu"], data["workload"]
+    out = []
+    isas = sorted(
+        {
+            str(e["build"]["engine_json"].get("kernel_isa"))
+            for m in results.values()
+            for e in m.get("ifb", {}).values()
+            if (e.get("build") or {}).get("ok") and e["build"].get("engine_json")
+        }
+    )
+    out.append(
+        f"CPU: {isa['model_name']} ({data['cpu_count']} cores), ISA flags: {isa['summary']}; kernel ISA in engine.json: {isas}"
+    )
+    out.append(f"ifb: {data['ifb']}; llama.cpp: llama-cpp-python {data['llama_cpp_build'].get('version')}")
+    out.append(
+        f"{w['prompt_tokens']}-token prompts, {w['max_tokens']} output tokens (ignore_eos, temperature 0), streaming "
+        f"/v1/completions; 1 stream = {w['single_requests']} sequential requests; {w['clients']} concurrent clients; "
+        f"llama-server -np {w['clients']} -t {w['threads']} -c {w['llama_ctx']}; ifb engines --max-batch-size "
+        f"{w['max_batch_size']}, same KV tokens. Ratios in () are ifb / llama-server."
+    )
+    out.append(table(results, w["clients"]))
     for model, m in results.items():
+        if m.get("workload") and m["workload"] != {k: v for k, v in w.items() if k != "llama_ctx"}:
+            out.append(f"{model}: measured with another workload: {m['workload']}")
+        servers = [("llama-server", m.get("llama"))] + [
+            (f"ifb {c}", e.get("serve")) for c, e in m.get("ifb", {}).items()
+        ]
+        loads = [
+            f"{name} {r['load_before']:.1f}/{r['load_single']:.1f}/{r['load_concurrent']:.1f}"
+            for name, r in servers
+            if r and r.get("ok")
+        ]
+        if loads:
+            out.append(
+                f"{model} ({m.get('when')}): 1-min load average before / single / concurrent: {'; '.join(loads)}"
+            )
         for compute, e in m.get("ifb", {}).items():
             if "greedy_common_prefix_chars" in e:
-                print(
-                    f"{model} ifb {compute}: greedy text common prefix with llama-server (chars): {e['greedy_common_prefix_chars']}"
+                out.append(
+                    f"{model} ifb {compute}: greedy text common prefix with llama-server, chars: {e['greedy_common_prefix_chars']}"
                 )
             b = e.get("build") or {}
+            if b.get("ok") and b.get("engine_json", {}).get("build"):
+                st = b["engine_json"]["build"]
+                out.append(
+                    f"{model} ifb {compute}: builder's own stage times {st.get('stage_seconds')} (total {st.get('seconds')} s of {b['wall_s']} s wall)"
+                )
             if not b.get("ok"):
-                print(f"{model} ifb {compute}: build failed ({b.get('log')}); last lines:\n    "
-                      + "\n    ".join((b.get("log_tail") or "").strip().splitlines()[-4:]))  # fmt: skip
-    print(f"wrote {args.output.relative_to(ROOT) if args.output.is_relative_to(ROOT) else args.output}")
+                tail = "\n    ".join((b.get("log_tail") or "").strip().splitlines()[-4:])
+                out.append(f"{model} ifb {compute}: build failed ({b.get('log')}); last lines:\n    {tail}")
+        for name, r in servers:
+            if r and not r.get("ok"):
+                out.append(f"{model} {name}: serving failed: {r.get('error')}")
+    return "\n".join(out)
+
+
+def workload(args) -> dict[str, Any]:
+    return {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "clients": args.clients,
+            "single_requests": args.single_requests, "threads": args.threads,
+            "max_batch_size": args.max_batch_size, "compute": args.compute, "build_args": args.build_args,
+            "rss_cap_gb": args.rss_cap_gb, "ctx_margin": args.ctx_margin}  # fmt: skip
 
 
 def write_json(args, results, isa, ifb_desc, llama_build, ctx) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
-        "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "clients": args.clients,
-                     "single_requests": args.single_requests, "threads": args.threads, "llama_ctx": ctx,
-                     "max_batch_size": args.max_batch_size, "compute": args.compute, "build_args": args.build_args,
-                     "rss_cap_gb": args.rss_cap_gb},
+        "workload": {**workload(args), "llama_ctx": ctx},
         "cpu": isa,
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
