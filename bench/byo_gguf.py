@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/byo_gguf.py [--models smollm2-q4km,1b-q4km,1b-q4_0,8b-q4km]
         [--compute default,int8] [--clients 16] [--prompt-tokens 256] [--max-tokens 128]
-        [--rss-cap-gb 22] [--ifb-rev HEAD | --ifb-tree DIR] [--skip-serve] [--rebuild] [--merge]
+        [--rss-cap-gb 22] [--ifb-rev HEAD | --ifb-tree DIR] [--label NAME] [--skip-serve] [--rebuild] [--merge]
+    .venv/bin/python bench/byo_gguf.py --report      # print the table of bench/out/byo_gguf.json again
 
 Inputs (bench/gguf_synth.py, made here, no weights downloaded, cached in bench/out/byo/):
 smollm2-q4km = the bundled SmolLM2-135M requantized to Q4_K_M by llama-quantize; 1b-q4km / 1b-q4_0 =
@@ -12,7 +13,8 @@ For each model and each --compute value ("default" = no --compute flag):
   1. `ifb build GGUF -o bench/out/byo/engines/MODEL-COMPUTE --max-batch-size 16 --kv-blocks N` in its own
      process group: wall time, peak RSS of the process tree (psutil, every 0.2 s) and the build process's
      own ru_maxrss (wait4), exit code, engine folder size. Killed (and recorded so) when the tree's RSS
-     passes --rss-cap-gb, so an out-of-memory build cannot take the shared machine down.
+     passes --rss-cap-gb or the machine's available memory drops under --min-available-gb (1), so an
+     out-of-memory build cannot take the shared machine down; the harness goes on with the next one.
   2. llama-server (`-np CLIENTS -t 2 -c CLIENTS*(PROMPT+MAX+MARGIN)`) and `ifb run ENGINE --threads 2`,
      one at a time, with bench/peers.py's client and measurement (peers.measure): resident memory after
      the 2-request warm-up (RSS, of it anonymous) and its peak over the run; (a) single stream, sequential
@@ -21,7 +23,10 @@ For each model and each --compute value ("default" = no --compute flag):
 Prints one table and writes bench/out/byo_gguf.json (with the CPU's ISA flags and engine.json's kernel ISA).
 
 --ifb-rev REV measures a committed builder: `git archive REV` is unpacked under bench/out/byo/trees/ and
-ifb is run from it (the shared working tree may be mid-edit). Default: the installed `ifb`.
+ifb is run from it (the shared working tree may be mid-edit). Default: the installed `ifb`. --label NAME
+names the engine folders and table rows (MODEL-COMPUTE-NAME, "COMPUTE@NAME"), so with --merge one JSON
+holds builds of several builder commits; a build with a record under bench/out/byo/engines/ is reused
+unless --rebuild (or --retry-failed for failed ones).
 """
 
 from __future__ import annotations
