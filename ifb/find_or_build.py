@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from ifb.builder.build import BuildOptions, BuildSummary, build_dtype, build_engine, build_kv_dtype
+from ifb.builder.quant_weights import resolve_compute, source_packs_weights
 from ifb.builder.sources import ModelSource, resolve_source, source_sha256
 from ifb.runtime.engine_format import ENGINE_JSON, BackendKind
 
@@ -60,12 +61,19 @@ def _matches(record: dict, source: ModelSource, sha256: str, options: BuildOptio
         and record.get("dtype") == dtype
         and record.get("kv_dtype", record.get("dtype")) == build_kv_dtype(options, dtype)
         and record.get("build_options", {}).get("weights", "auto") == options.weights
-        and record.get("build_options", {}).get("compute", "fp32") == options.compute
+        and record.get("weight_compute", "fp32") == _compute(source, options)
         and record.get("backend") == options.backend.value
         and limits.get("max_batch_size", 0) >= options.max_batch_size
         and limits.get("max_num_tokens", 0) >= options.max_num_tokens
         and limits.get("max_seq_len", 0) >= options.max_seq_len
     )
+
+
+def _compute(source: ModelSource, options: BuildOptions) -> str:
+    """The compute mode `options` would build `source` with here (auto resolved: a dense engine
+    built with --compute fp32 matches a request for auto)."""
+    has_blocks = source_packs_weights(source, options.weights, options.backend)
+    return resolve_compute(options.compute, has_blocks).value
 
 
 def _read_record(folder: Path) -> dict:
