@@ -1,7 +1,7 @@
 """Block-quantized matmul kernels vs torch fp32 F.linear, over one model step's linear layers.
 
     .venv/bin/python bench/quant_kernels.py [--model smollm2|llama1b] [--threads 2] [--repeats 5]
-        [--bandwidth-gbs 36] [--isa avx2]
+        [--bandwidth-gbs 36] [--isa avx2] [--rows 1 32] [--cpu-time]
 
 Runs every linear of one model step with distinct weights per layer, so weights stream from
 memory as in a real step, and prints the ms of our exact kernel (fp32 activations), of the
@@ -104,13 +104,13 @@ def block_bytes_read(linears: list[Linear]) -> int:
     return sum(lin.n * lin.k // block_weights(lin.fmt) * block_bytes(lin.fmt) for lin in linears)
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e3
 
 
@@ -131,6 +131,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bandwidth-gbs", type=float, default=36.0)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by process CPU time: with --threads 1 on a shared machine, what the kernel costs when it runs",
+    )
     parser.add_argument("--rows", type=int, nargs="+", help="default: the model's M list")
     parser.add_argument("--isa", choices=[isa.value for isa in QuantIsa], help="default: the best this CPU runs")
     args = parser.parse_args()
@@ -153,9 +158,10 @@ def main() -> None:
     for rows in args.rows or ROWS[args.model]:
         inputs = {k: torch.randn(rows, k) for k in {lin.k for lin in linears}}
         repeats = (1 if not has_dense else max(2, args.repeats // 2)) if rows >= 512 else args.repeats
-        ours = median_ms(partial(run_step, linears, inputs, "exact"), repeats)
-        int8 = median_ms(partial(run_step, linears, inputs, "int8"), repeats)
-        dense = median_ms(partial(run_step, linears, inputs, "dense"), repeats) if has_dense else float("nan")
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        ours = median_ms(partial(run_step, linears, inputs, "exact"), repeats, clock)
+        int8 = median_ms(partial(run_step, linears, inputs, "int8"), repeats, clock)
+        dense = median_ms(partial(run_step, linears, inputs, "dense"), repeats, clock) if has_dense else float("nan")
         print(
             f"{rows:>5} {ours:>9.2f} {int8:>8.2f} {dense:>17.2f} {ours / int8:>9.2f}x {dense / ours:>13.2f}x"
             f" {floor_ms / ours:>10.0%} {floor_ms / int8:>10.0%}"

@@ -1,4 +1,4 @@
-// Block-quantized weight matmul kernels (Q4_0, Q4_1, Q8_0) for AVX-512 or AVX2+FMA+F16C.
+// Block-quantized weight matmul kernels (Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K), AVX-512 or AVX2.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k], where w is dequantized in registers to its exact fp32 value
 // (the value gguf.quants.dequantize gives) and every output element is one serial chain of fp32
@@ -6,12 +6,11 @@
 // broadcast, so no code path reorders or splits that chain: the same bits come out whatever M is,
 // wherever the row sits in the batch, and however many threads split the column tiles.
 //
-// Packed tile-block (16 output columns x 32 weights; built by plugins/quant_ops.py::pack):
-//   Q4_0: d[16] fp16 | quants[16][16]           (288 B)   w = (q - 8) * d
-//   Q4_1: d[16] fp16 | m[16] fp16 | quants[16][16] (320 B)   w = q * d + m
-//   Q8_0: d[16] fp16 | quants[32][16] int8      (544 B)   w = q * d
-// Q4 quants row i, byte j: column j's weights 2i (low nibble) and 2i+1 (high nibble), so one
-// 16-byte load feeds two consecutive k. Q8 quants row i, byte j: column j's weight i.
+// The tile loops below know no format: they step K in 32-weight (sub-)blocks and ask
+// block_formats.h's Block<F> for the exact weights of k = 2i, 2i+1 of 16 columns (the packed
+// tile-block layouts are documented in plugins/quant_ops.py). At M = 1 this costs ~3 FP-pipe
+// instructions per 16 weights (int -> float, the decode FMA, the product FMA), so it runs near
+// 9-10 GB/s of weights per Zen 4 core rather than at memory bandwidth; `--compute int8` gets there.
 //
 // Two schedules, same per-element arithmetic: M <= kDirectRows dequantizes in registers right
 // before the FMAs (several tiles side by side to hide FMA latency); larger M dequantizes a

@@ -1,25 +1,26 @@
-// Integer-dot block matmul (`--compute int8`): int8 activations x Q4_0/Q4_1/Q8_0 weights.
+// Integer-dot block matmul (`--compute int8`): int8 activations x any GGUF block format's weights.
 //
 // Each row of x is quantized per 32-element block, like llama.cpp's Q8_1: d = max|x| / 127,
-// q = round-half-even(x / d) in int8, plus the block's integer sum. For one output element and
-// one block, the exact integer dot sum(w_q * x_q) is formed with u8 x s8 products (VNNI
-// vpdpbusd, or maddubs + madd without VNNI: both exact, so both give the same integer), then
+// q = round-half-even(x / d) in int8, plus the block's integer sum (and its two 16-halves' sums).
+// For one output element and one 32-weight (sub-)block, the exact integer dot sum(q_w * q_x) is
+// formed with u8 x s8 products (VNNI vpdpbusd, or maddubs + madd without VNNI: both exact, so both
+// give the same integer; u8 values are at most 63, so maddubs' pair sums stay under 2^15), then
 //
-//   Q4_0: acc = fma(float(dot - 8 * sum_x), d_w * d_x, acc)              (w = (q - 8) d_w)
-//   Q8_0: acc = fma(float(dot), d_w * d_x, acc)                          (w = q d_w)
-//   Q4_1: acc = fma(float(dot), d_w * d_x, acc); acc = fma(m_w, d_x * sum_x, acc)
+//   Q4_0/Q5_0: acc = fma(float(dot - z * sum_x), d_w * d_x, acc)         (w = (q - z) d_w, z = 8/16)
+//   Q8_0:      acc = fma(float(dot), d_w * d_x, acc)                     (w = q d_w)
+//   Q4_1/Q5_1: acc = fma(float(dot), d_w * d_x, acc); acc = fma(m_w, d_x * sum_x, acc)
+//   Q4_K/Q5_K: acc = fma(float(dot), (d sc) * d_x, acc); acc = fnma(dmin m, d_x * sum_x, acc)
+//   Q6_K:      acc = fma(float(sc0 (dot0 - 32 s0) + sc1 (dot1 - 32 s1)), d * d_x, acc)
+//              (dot_h, s_h over the 16-weight halves, each with its int8 scale; exact in int32)
 //
 // over blocks b = 0, 1, ... in order, from +0. Every step is per row and per output column, so a
 // row's result is bitwise the same whatever else is in the batch, wherever it sits, however many
 // threads split the column tiles, and on either ISA path (the integer part is exact and the fp32
-// operations are the same intrinsics). The integers are exact in fp32 (|dot| < 2^17).
+// operations are the same intrinsics). The integers are exact in fp32 (all below 2^24).
 //
-// Packed tile-block for this mode (same sizes as quant_matmul.cpp's, built by
-// plugins/quant_ops.py::pack_int8): the fp16 scales as there, then the quants in groups of 64
-// bytes, one 4-byte lane per output column j:
-//   Q4_x: group g = 0..3, lane j byte b: w[8g + b] | w[8g + 4 + b] << 4   (unsigned nibbles)
-//   Q8_0: group g = 0..7, lane j byte b: w[4g + b]                        (int8)
-// so one 64-byte load and a mask/shift give 16 columns x 4 consecutive k per register.
+// The quants come from block_formats.h's Block<F>::int8_group in plugins/quant_ops.py::pack_int8's
+// order: per 64-byte group one 4-byte lane per output column, so one load (and a mask, shift and
+// bit merge) gives 16 columns x 4 consecutive k per register.
 #include <algorithm>
 #include <array>
 #include <cmath>
