@@ -147,7 +147,10 @@ class Sampler:
             if generator is not None and not row.request.params.greedy:
                 noise[index] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, tokens, sampled)
+        # A temperature that underflows fp32 (2.2e-309 -> 0) scales logits to +-inf and softmax to
+        # NaN; such a row is greedy in the limit, and `tokens` respects the grammar's mask.
+        degenerate = ~torch.isfinite(probs).all(dim=-1)
+        return torch.where(greedy | degenerate, tokens, sampled)
 
     @staticmethod
     def _with_logprobs(

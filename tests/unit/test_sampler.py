@@ -230,3 +230,10 @@ def test_masked_tokens_stay_masked_at_the_largest_temperature() -> None:
     logits[0, :3] = float("-inf")
     drawn = draws(make_request(temperature=3.4028235677973366e38), logits)
     assert drawn and drawn <= set(range(3, VOCAB))
+
+
+def test_a_temperature_that_underflows_is_greedy_within_the_mask() -> None:
+    """temperature 2.2e-309 is 0 in fp32: the row takes the (masked) argmax, not a NaN draw."""
+    logits = logits_of(0.5, 3.0, 0.9, 0.2, 0.8)
+    logits[0, 1] = float("-inf")
+    assert draws(make_request(temperature=2.225073858507203e-309), logits) == {2}
