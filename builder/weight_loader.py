@@ -15,7 +15,7 @@ mapped source, so the build holds the engine's weights plus one module in flight
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +29,8 @@ from ifb.runtime.step.quant_linear import PACKERS
 from ifb.runtime.step.segmented_linear import part_formats, part_key, segment_parts
 
 logger = logging.getLogger(__name__)
+
+Packer = Callable[[torch.Tensor, WeightFormat, int, int], torch.Tensor]  # quant_ops.pack / pack_int8
 
 
 class TensorSource(Protocol):
@@ -96,11 +98,11 @@ def _quantize_plan(source: TensorSource, fmt: WeightFormat) -> WeightPlan:
     return WeightPlan(formats, (), fmt.value)
 
 
-def _non_dense(source: TensorSource, keep: object) -> tuple[TensorInfo, ...]:
+def _non_dense(source: TensorSource, keep: Callable[[TensorInfo], bool]) -> tuple[TensorInfo, ...]:
     """The distinct source tensors that are neither dense nor kept (so dequantized), in file order."""
     names = dict.fromkeys(name for names in (*source.linears.values(), *source.dense.values()) for name in names)
     infos = (source.info(name) for name in names)
-    return tuple(info for info in infos if not info.is_dense and keep(info))  # type: ignore[operator]
+    return tuple(info for info in infos if not info.is_dense and keep(info))
 
 
 def warn_dequantized(plan: WeightPlan, dtype_bytes: int) -> None:
@@ -149,7 +151,7 @@ def _stored_linear(
     module: str,
     fmt: WeightFormat,
     names: tuple[str, ...],
-    packer: object,
+    packer: Packer,
     plan: WeightPlan,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if fmt is WeightFormat.FP32:
@@ -162,7 +164,7 @@ def _stored_linear(
         rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     n = sum(source.info(name).rows for name in names)
     k = source.info(names[0]).cols
-    yield f"{module}.packed", packer(rows, fmt, n, k)  # type: ignore[operator]
+    yield f"{module}.packed", packer(rows, fmt, n, k)
 
 
 def _stored_embedding(source: TensorSource, plan: WeightPlan, name: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,6 +6,8 @@ import math
 import time
 from collections.abc import Callable
 
+import torch
+
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
@@ -36,6 +38,15 @@ def greedy_generate(engine: Engine, prompt: list[int], max_new_tokens: int, chun
         inputs = build_step_inputs([RequestSlice([out[-1]], position, table, sample=True)], block_size)
         out.append(int(engine.step(inputs)[0].argmax()))
     return out
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
+    """transformers' own greedy continuation of `prompt` (no EOS stop): the oracle's tokens."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:

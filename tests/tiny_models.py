@@ -102,6 +102,20 @@ RANDOM_BLOCK_TYPES: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {
 }
 
 
+# Per-kind GGUF types as llama.cpp's Q4_K_M quantizer writes them (q/k/gate/up Q4_K, v Q6_K, the
+# tied head/embedding Q6_K), with down as Q5_0, its fallback for rows not a multiple of 256.
+Q4_K_M_LIKE = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q4_K",
+    "ffn_gate": "Q4_K",
+    "ffn_up": "Q4_K",
+    "ffn_down": "Q5_0",
+    "token_embd.weight": "Q6_K",
+}
+
+
 def random_blocks(rows: int, cols: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
     """uint8 [rows, row bytes] of valid random `type_name` blocks (see RANDOM_BLOCK_TYPES)."""
     import gguf

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import write_gguf, write_hf_checkpoint
+from tiny_models import Q4_K_M_LIKE, write_gguf, write_hf_checkpoint
 
 OVERHEAD_BYTES = int(1.5 * 2**30)
 SHAPE = dict(
@@ -26,16 +26,7 @@ SHAPE = dict(
     num_key_value_heads=4,
     tie_word_embeddings=True,
 )
-TYPES = {
-    "attn_q": "Q4_K",
-    "attn_k": "Q4_K",
-    "attn_v": "Q6_K",
-    "attn_output": "Q4_K",
-    "ffn_gate": "Q4_K",
-    "ffn_up": "Q4_K",
-    "ffn_down": "Q6_K",
-    "token_embd.weight": "Q6_K",
-}
+TYPES = {**Q4_K_M_LIKE, "ffn_down": "Q6_K"}  # rows of 4096: down stays a K-quant
 
 
 @pytest.fixture(scope="module")

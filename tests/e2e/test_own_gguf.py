@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_loop import greedy_generate
+from greedy_loop import greedy_generate, hf_greedy
 from safetensors import safe_open
 from step_cases import prompts, run_mixed_step
-from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint
+from tiny_models import Q4_K_M_LIKE, TINY_LIMITS, write_gguf, write_hf_checkpoint
 from transformers import AutoModelForCausalLM
 
 from ifb.builder.build import BuildOptions, build_engine
@@ -28,16 +28,6 @@ from ifb.runtime.step.engine import Engine
 
 # Rows of 256 weights are what K-quants need; the tiny models' 64-wide rows are too short.
 KQUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-Q4_K_M_LIKE = {
-    "attn_q": "Q4_K",
-    "attn_k": "Q4_K",
-    "attn_v": "Q6_K",
-    "attn_output": "Q4_K",
-    "ffn_gate": "Q4_K",
-    "ffn_up": "Q4_K",
-    "ffn_down": "Q5_0",
-    "token_embd.weight": "Q6_K",
-}
 # Q5_K / Q5_1 / Q8_0, an untied Q5_K head beside a Q8_0 embedding, and one Q3_K tensor.
 OTHER_FORMATS = {
     "attn_q": "Q5_K",
@@ -81,14 +71,6 @@ def _hf(gguf_file: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32).eval()
 
 
-def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_q4_k_m_parts_keep_their_own_formats(q4_k_m_exact_engine: Path) -> None:
     """Each GGUF part is stored in its file format; the tied embedding reads the head's Q6_K tiles."""
     config = EngineConfig.load(q4_k_m_exact_engine)
@@ -112,7 +94,7 @@ def test_q4_k_m_greedy_equals_transformers_gguf_load(q4_k_m_gguf: Path, q4_k_m_e
     engine = Engine.load(q4_k_m_exact_engine, StepMode.COMPILED)
     hf = _hf(q4_k_m_gguf)
     for prompt in prompts(engine.config.spec.vocab_size, [5, 23, 40], seed=11):
-        expected = _hf_greedy(hf, prompt, 16)
+        expected = hf_greedy(hf, prompt, 16)
         assert greedy_generate(engine, prompt, 16) == expected
         assert greedy_generate(engine, prompt, 16, chunk=16) == expected
 
@@ -144,7 +126,7 @@ def test_other_formats_and_a_type_without_kernel(
     engine = Engine.load(folder, StepMode.COMPILED)
     hf = _hf(other_gguf)
     for prompt in prompts(config.spec.vocab_size, [7, 30], seed=13):
-        assert greedy_generate(engine, prompt, 16) == _hf_greedy(hf, prompt, 16)
+        assert greedy_generate(engine, prompt, 16) == hf_greedy(hf, prompt, 16)
 
 
 def test_eager_and_reference_modes_match_compiled(q4_k_m_exact_engine: Path) -> None:

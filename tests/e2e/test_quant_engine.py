@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_loop import greedy_generate
+from greedy_loop import greedy_generate, hf_greedy
 from step_cases import prompts, run_mixed_step
 from tiny_models import TINY_LIMITS
 from transformers import AutoModelForCausalLM
@@ -51,14 +51,6 @@ def _dequantized_hf(folder: Path, fmt: WeightFormat) -> torch.nn.Module:
     return model
 
 
-def _hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_gguf_blocks_are_kept_and_recorded(tiny_q4_gguf_engine: Path) -> None:
     """`--weights auto` on a Q4_1 GGUF: every linear and the head packed, fp32 activations, kernels shipped."""
     config = EngineConfig.load(tiny_q4_gguf_engine)
@@ -77,7 +69,7 @@ def test_gguf_engine_greedy_equals_transformers_gguf_loader(tiny_q4_gguf: Path, 
         tiny_q4_gguf.parent, gguf_file=tiny_q4_gguf.name, dtype=torch.float32
     ).eval()
     for prompt in prompts(engine.config.spec.vocab_size, [5, 23, 40], seed=7):
-        expected = _hf_greedy(hf, prompt, 24)
+        expected = hf_greedy(hf, prompt, 24)
         assert greedy_generate(engine, prompt, 24) == expected
         assert greedy_generate(engine, prompt, 24, chunk=16) == expected
 
@@ -91,7 +83,7 @@ def test_q8_0_engine_greedy_equals_transformers_on_dequantized_weights(
     assert engine.config.weight_formats == expected  # the tied embedding reads the head's tiles
     hf = _dequantized_hf(tiny_qwen2_dir, WeightFormat.Q8_0)
     for prompt in prompts(engine.config.spec.vocab_size, [5, 23, 40], seed=7):
-        assert greedy_generate(engine, prompt, 24) == _hf_greedy(hf, prompt, 24)
+        assert greedy_generate(engine, prompt, 24) == hf_greedy(hf, prompt, 24)
 
 
 @pytest.mark.parametrize("engine_fixture", QUANT_ENGINES)
