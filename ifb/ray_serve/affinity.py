@@ -87,6 +87,63 @@ class PrefixAffinity:
         return len(self._owner)
 
 
+class InFlightLedger:
+    """Requests this router sent each replica and has not seen finish, counted from the moment a
+    replica is chosen. Serve calls choose_replicas for a whole burst before it routes any of
+    them; counting only routed requests let every request of the burst see the same stale
+    snapshot and pick the same replica (CI: 11 of 12 concurrent requests on one of two replicas).
+    A chosen request counts on its first-ranked replica until Serve says where it went."""
+
+    def __init__(self, max_pending: int = 4096) -> None:
+        self.max_pending = max_pending  # chosen but never routed (cancelled) requests age out
+        self._chosen: OrderedDict[str, tuple[str, list[bytes]]] = OrderedDict()
+        self._routed: dict[str, str] = {}
+        self._counts: dict[str, int] = {}
+
+    def count(self, replica: str) -> int:
+        return self._counts.get(replica, 0)
+
+    def chosen(self, request_id: str, replica: str, keys: list[bytes]) -> None:
+        """`replica` ranked first for the request; a re-choice (Serve retrying) replaces it."""
+        self._drop_choice(request_id)
+        self._chosen[request_id] = (replica, keys)
+        self._add(replica, 1)
+        while len(self._chosen) > self.max_pending:
+            self._drop_choice(next(iter(self._chosen)))
+
+    def routed(self, request_id: str, replica: str) -> list[bytes] | None:
+        """The request went to `replica`: its prefix keys, or None if it was not chosen here."""
+        choice = self._chosen.pop(request_id, None)
+        if choice is None:
+            return None
+        self._add(choice[0], -1)
+        self._routed[request_id] = replica
+        self._add(replica, 1)
+        return choice[1]
+
+    def completed(self, request_id: str) -> None:
+        replica = self._routed.pop(request_id, None)
+        if replica is not None:
+            self._add(replica, -1)
+
+    def forget(self, replica: str) -> None:
+        """A replica that died: what was sent to it no longer counts anywhere."""
+        self._counts.pop(replica, None)
+        for request_id in [r for r, (name, _) in self._chosen.items() if name == replica]:
+            del self._chosen[request_id]
+        for request_id in [r for r, name in self._routed.items() if name == replica]:
+            del self._routed[request_id]
+
+    def _drop_choice(self, request_id: str) -> None:
+        choice = self._chosen.pop(request_id, None)
+        if choice is not None:
+            self._add(choice[0], -1)
+
+    def _add(self, replica: str, delta: int) -> None:
+        if replica in self._counts or delta > 0:
+            self._counts[replica] = max(0, self._counts.get(replica, 0) + delta)
+
+
 def rank_replicas(loads: Sequence[ReplicaLoad], preferred: str | None, rng: random.Random | None = None) -> list[str]:
     """Replica ids, most preferred first: the prefix holder if it has room, then the less loaded
     of two sampled replicas with room, then the other replicas with room by load. When every

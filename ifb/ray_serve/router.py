@@ -16,26 +16,29 @@ per replica, which is fresh between reports. The ingress reads the same stats fo
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, defaultdict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ifb.ray_serve.affinity import MAX_AFFINITY_BLOCKS, PrefixAffinity, ReplicaLoad, rank_replicas, register_router
+from ifb.ray_serve.affinity import (
+    MAX_AFFINITY_BLOCKS,
+    InFlightLedger,
+    PrefixAffinity,
+    ReplicaLoad,
+    rank_replicas,
+    register_router,
+)
 
 logger = logging.getLogger(__name__)
 
 ROUTED_METHOD = "generate"  # the replica method whose first argument is the list of jobs
-_MAX_PENDING_KEYS = 4096  # keys of requests chosen for but not yet routed (cancelled ones age out)
 _UNREPORTED_CAPACITY = 1 << 30  # a replica that has not reported yet counts as open
 
 
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, block_size: int = 16, max_blocks: int = MAX_AFFINITY_BLOCKS, **_: Any) -> None:
         self.affinity = PrefixAffinity(block_size, max_blocks)
-        self._pending_keys: OrderedDict[str, list[bytes]] = OrderedDict()
-        self._routed_to: dict[str, str] = {}  # internal request id -> replica, until completed
-        self._in_flight: defaultdict[str, int] = defaultdict(int)
+        self._in_flight = InFlightLedger()
         register_router(self._deployment_id.name, self)
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:
@@ -44,7 +47,7 @@ class PrefixAffinityRouter(RequestRouter):
         return {
             r.replica_id.unique_id: {
                 **(r.routing_stats or {}),
-                "router_in_flight": self._in_flight.get(r.replica_id.unique_id, 0),
+                "router_in_flight": self._in_flight.count(r.replica_id.unique_id),
             }
             for r in self._replicas_list
         }
@@ -57,7 +60,7 @@ class PrefixAffinityRouter(RequestRouter):
             int(stats.get("num_running", 0)),
             int(stats.get("num_waiting", 0)),
             int(stats.get("capacity", _UNREPORTED_CAPACITY)) if stats.get("ok", True) else 0,
-            self._in_flight[name],
+            self._in_flight.count(name),
         )
 
     async def choose_replicas(
@@ -73,9 +76,9 @@ class PrefixAffinityRouter(RequestRouter):
             loads = [self._load(r) for r in candidate_replicas]
         token_ids, params = pending_request.args[0][0]
         keys = self.affinity.keys(token_ids, params.cache_salt)
-        self._remember_pending(pending_request.metadata.internal_request_id, keys)
         preferred, num_blocks = self.affinity.lookup(keys)
         ranked = rank_replicas(loads, preferred)
+        self._in_flight.chosen(pending_request.metadata.internal_request_id, ranked[0], keys)
         logger.debug(
             "route %s: prefix %d blocks on %s, ranked %s",
             pending_request.metadata.request_id,
@@ -85,38 +88,24 @@ class PrefixAffinityRouter(RequestRouter):
         )
         return [[by_name[name]] for name in ranked]
 
-    def _remember_pending(self, request_id: str, keys: list[bytes]) -> None:
-        self._pending_keys[request_id] = keys
-        while len(self._pending_keys) > _MAX_PENDING_KEYS:
-            self._pending_keys.popitem(last=False)
-
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        keys = self._pending_keys.pop(request_id, None)
-        if keys is None:
-            return
-        name = replica_id.unique_id
-        self.affinity.remember(keys, name)
-        self._routed_to[request_id] = name
-        self._in_flight[name] += 1
+        keys = self._in_flight.routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
+        if keys is not None:
+            self.affinity.remember(keys, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        name = self._routed_to.pop(internal_request_id, None)
-        if name is not None and self._in_flight[name] > 0:
-            self._in_flight[name] -= 1
+        self._in_flight.completed(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._forget(replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        before = set(self._in_flight) | {r.replica_id.unique_id for r in self._replicas_list}
+        before = {r.replica_id.unique_id for r in self._replicas_list}
         super().update_replicas(replicas)
         for name in before - {r.replica_id.unique_id for r in replicas}:
             self._forget(name)
 
     def _forget(self, name: str) -> None:
         self.affinity.forget(name)
-        self._in_flight.pop(name, None)
-        for request_id in [r for r, n in self._routed_to.items() if n == name]:
-            del self._routed_to[request_id]
+        self._in_flight.forget(name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ifb.ray_serve.affinity import PrefixAffinity, ReplicaLoad, rank_replicas
+from ifb.ray_serve.affinity import InFlightLedger, PrefixAffinity, ReplicaLoad, rank_replicas
 
 
 def load(name: str, running: int = 0, waiting: int = 0, capacity: int = 10, in_flight: int = 0) -> ReplicaLoad:
@@ -57,3 +57,33 @@ def test_all_full_ranks_every_replica_by_load() -> None:
     """No replica has room: the least loaded is tried (its engine refuses: a 429)."""
     loads = [load("r0", running=10, waiting=2), load("r1", running=10)]
     assert rank_replicas(loads, "r0", random.Random(0)) == ["r1", "r0"]
+
+
+def test_a_burst_chosen_before_any_is_routed_spreads() -> None:
+    """Serve chooses for a whole burst before routing any request: each choice counts at once,
+    so a stale snapshot (r0 one running) cannot send the whole burst to r1."""
+    ledger = InFlightLedger()
+    picks = []
+    for i in range(12):
+        loads = [load("r0", running=1, in_flight=ledger.count("r0")), load("r1", in_flight=ledger.count("r1"))]
+        picks.append(rank_replicas(loads, None, random.Random(i))[0])
+        ledger.chosen(f"q{i}", picks[-1], [])
+    assert sorted(picks.count(r) for r in ("r0", "r1")) == [6, 6]
+    assert ledger.count("r0") + ledger.count("r1") == 12
+
+
+def test_ledger_moves_a_choice_to_where_it_was_routed_and_counts_it_out() -> None:
+    ledger = InFlightLedger(max_pending=2)
+    ledger.chosen("a", "r0", [b"k"])
+    ledger.chosen("a", "r1", [b"k"])  # Serve chose again for the same request
+    assert (ledger.count("r0"), ledger.count("r1")) == (0, 1)
+    assert ledger.routed("a", "r0") == [b"k"]  # r1 refused; r0 took it
+    assert (ledger.count("r0"), ledger.count("r1")) == (1, 0)
+    assert ledger.routed("a", "r0") is None
+    ledger.completed("a")
+    assert ledger.count("r0") == 0
+    for name in ("b", "c", "d"):  # never routed (cancelled): the oldest choice ages out
+        ledger.chosen(name, "r1", [])
+    assert ledger.count("r1") == 2
+    ledger.forget("r1")
+    assert ledger.count("r1") == 0 and ledger.routed("c", "r1") is None
