@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerCounters:
-    """A published copy of the counters (Edge-LLM's /health scheduling block and more)."""
+    """A published copy of the counters (Edge-LLM's /health scheduling block and more); its
+    fields are the one list of counters: SchedulerStats is made from them."""
 
     submitted: int = 0
     completed: int = 0
@@ -31,32 +33,22 @@ class SchedulerCounters:
         return self.queue_latency_total_s / self.num_admitted if self.num_admitted else 0.0
 
 
-@dataclass(slots=True)
-class SchedulerStats:
-    """The live counters; only the executor thread writes them. Same fields as SchedulerCounters
-    (a unit test holds the two lists equal)."""
+def _record_queue_latency(stats: Any, seconds: float) -> None:
+    stats.num_admitted += 1
+    stats.queue_latency_total_s += seconds
+    stats.queue_latency_max_s = max(stats.queue_latency_max_s, seconds)
 
-    submitted: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    refused: int = 0
-    admitted_mid_flight: int = 0
-    preempted: int = 0
-    stalls_no_capacity: int = 0
-    stalls_token_budget: int = 0
-    stalls_batch_full: int = 0
-    queue_latency_total_s: float = 0.0
-    queue_latency_max_s: float = 0.0
-    num_admitted: int = 0
-    num_steps: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
-    def record_queue_latency(self, seconds: float) -> None:
-        self.num_admitted += 1
-        self.queue_latency_total_s += seconds
-        self.queue_latency_max_s = max(self.queue_latency_max_s, seconds)
+def _freeze(stats: Any) -> SchedulerCounters:
+    return SchedulerCounters(**{f.name: getattr(stats, f.name) for f in fields(SchedulerCounters)})
 
-    def freeze(self) -> SchedulerCounters:
-        return SchedulerCounters(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+# The live counters, written only by the executor thread: SchedulerCounters' fields made mutable
+# (a mutable dataclass cannot subclass a frozen one), so each counter is declared once.
+# slots: a misspelt counter raises instead of silently adding an attribute.
+SchedulerStats = make_dataclass(
+    "SchedulerStats",
+    [(f.name, f.type, field(default=f.default)) for f in fields(SchedulerCounters)],
+    namespace={"record_queue_latency": _record_queue_latency, "freeze": _freeze, "__module__": __name__},
+    slots=True,
+)
