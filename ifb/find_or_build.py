@@ -18,7 +18,8 @@ from pathlib import Path
 from ifb.builder.build import BuildOptions, BuildSummary, build_dtype, build_engine, build_kv_dtype
 from ifb.builder.quant_weights import resolve_compute, source_packs_weights
 from ifb.builder.sources import ModelSource, resolve_source, source_sha256
-from ifb.runtime.engine_format import ENGINE_JSON, BackendKind
+from ifb.runtime.engine_format import ENGINE_JSON, BackendKind, EngineConfig
+from ifb.runtime.errors import EngineFormatError
 
 logger = logging.getLogger(__name__)
 
@@ -52,20 +53,21 @@ def _remember(engines_dir: Path, build_id: str) -> None:
     (engines_dir / BUILT_REGISTRY).write_text(json.dumps(sorted(ids)) + "\n")
 
 
-def _matches(record: dict, source: ModelSource, sha256: str, options: BuildOptions, built: set[str]) -> bool:
-    limits = record.get("limits", {})
+def _matches(engine: EngineConfig, source: ModelSource, sha256: str, options: BuildOptions, built: set[str]) -> bool:
     dtype = build_dtype(options, source)
     return (
-        record.get("build_id") in built
-        and record.get("source", {}).get("sha256") == sha256
-        and record.get("dtype") == dtype
-        and record.get("kv_dtype", record.get("dtype")) == build_kv_dtype(options, dtype)
-        and record.get("build_options", {}).get("weights", "auto") == options.weights
-        and record.get("weight_compute", "fp32") == _compute(source, options)
-        and record.get("backend") == options.backend.value
-        and limits.get("max_batch_size", 0) >= options.max_batch_size
-        and limits.get("max_num_tokens", 0) >= options.max_num_tokens
-        and limits.get("max_seq_len", 0) >= options.max_seq_len
+        engine.build_id in built
+        and engine.source.sha256 == sha256
+        and engine.dtype == dtype
+        and engine.kv_dtype == build_kv_dtype(options, dtype)
+        and engine.build_options.weights == options.weights
+        and engine.weight_compute == _compute(source, options)
+        and engine.backend is BackendKind(options.backend)
+        and engine.covers(
+            max_batch_size=options.max_batch_size,
+            max_num_tokens=options.max_num_tokens,
+            max_seq_len=options.max_seq_len,
+        )
     )
 
 
@@ -76,12 +78,14 @@ def _compute(source: ModelSource, options: BuildOptions) -> str:
     return resolve_compute(options.compute, has_blocks).value
 
 
-def _read_record(folder: Path) -> dict:
+def _read_engine(folder: Path) -> EngineConfig | None:
+    """The folder's engine.json as an EngineConfig (artifacts not hashed: only the record is
+    compared), or None where it is missing or is no engine record this ifb reads."""
     try:
-        record = json.loads((folder / ENGINE_JSON).read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
+        return EngineConfig.load(folder, verify=False)
+    except (EngineFormatError, OSError) as error:
+        logger.debug("skipping %s: %s", folder, error)
+        return None
 
 
 def find_or_build_engine(
@@ -95,13 +99,14 @@ def find_or_build_engine(
     built = _built_ids(engines_dir)
     if engines_dir.is_dir():
         for candidate in sorted(p for p in engines_dir.iterdir() if p.is_dir()):
-            if _matches(_read_record(candidate), source, sha256, options, built):
+            engine = _read_engine(candidate)
+            if engine is not None and _matches(engine, source, sha256, options, built):
                 logger.info("using engine %s", candidate)
                 return candidate
     output = engines_dir / engine_name(source, options)
     logger.info("no engine under %s matches %s; building %s", engines_dir, source.name, output)
     build_in_child_process(target, output, options)
-    _remember(engines_dir, _read_record(output)["build_id"])
+    _remember(engines_dir, EngineConfig.load(output, verify=False).build_id)
     return output
 
 

@@ -131,6 +131,15 @@ class EngineConfig:
     def kv_pool_bytes(self) -> int:
         return self.limits.num_kv_blocks * kv_bytes_per_block(self.spec, self.limits.block_size, self.kv_dtype)
 
+    def covers(self, *, max_batch_size: int, max_num_tokens: int, max_seq_len: int) -> bool:
+        """Whether the baked limits are at least these: an engine serves any smaller request."""
+        limits = self.limits
+        return (
+            limits.max_batch_size >= max_batch_size
+            and limits.max_num_tokens >= max_num_tokens
+            and limits.max_seq_len >= max_seq_len
+        )
+
     def rebuild_command(self, **overrides: int) -> str:
         """The `ifb build` command that rebuilds this engine with every option it was built with,
         `overrides` (build option names, e.g. max_batch_size=32) applied."""
