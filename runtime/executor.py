@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
 StepListener = Callable[["StepRecord"], None]
+StepStartedListener = Callable[[ScheduledBatch], None]
 _SUMMARY_INTERVAL_S = 5.0
 STUCK_STEP_S = 30.0  # a step running longer than this means the loop is stuck
 
@@ -102,6 +103,10 @@ class Executor:
         self.snapshot = EngineSnapshot()
         self.queue_timeout_s: float | None = None  # waiting longer than this before admission: refused
         self.step_listeners: list[StepListener] = []
+        # Called on this thread with each scheduled batch just before its engine step, before the
+        # stuck-step watchdog's clock starts (tests observe or hold steps here). An abort arriving
+        # from here on is applied in phase 6, before the update. A raise fails the step's requests.
+        self.step_started_listeners: list[StepStartedListener] = []
         self.finish_listeners: list[Callable[[Request], None]] = []
         self._last_summary = time.monotonic()
         self._tokens_since_summary = 0
@@ -247,6 +252,8 @@ class Executor:
     def _run_engine(
         self, batch: ScheduledBatch, requests: list[Request], rows: list[SamplingRow]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for listener in self.step_started_listeners:
+            listener(batch)
         self._step_started = time.monotonic()
         try:
             slices = [
