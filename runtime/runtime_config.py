@@ -1,34 +1,81 @@
-"""RuntimeConfig: the runtime's own settings, checked against the engine's baked limits."""
+"""RuntimeSettings and ServerSettings: what a user asks of the runtime and its HTTP server, each
+option declared once (default, help, lower bound); RuntimeConfig: the settings checked against
+the engine's baked limits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.step.backend import StepMode
+from ifb.runtime.step_budget import DEFAULT_TARGET_DECODE_MULTIPLE, DEFAULT_TARGET_FLOOR_MS
+
+
+def option(default: Any, help: str, **cli: Any) -> Any:
+    """A settings field carrying what every front end (ifb build/run/serve, LLM(...)) reads off it:
+    `help`, and in `cli` the hints cli/field_options.py turns into a click option -- `minimum`
+    (also checked here), `flag` (instead of --field-name), `aliases`, `choices`, `case_sensitive`,
+    and `cli=False` for a field no flag sets."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass(frozen=True, slots=True)
 class RuntimeSettings:
-    """What a user asks of the runtime (`ifb run` flags, `LLM(...)` keywords), defined once and
-    passed whole; None means the engine's baked value."""
+    """What a user asks of the runtime (`ifb run` / `ifb serve` flags, `LLM(...)` keywords),
+    defined once and passed whole; None means the engine's baked value."""
 
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
-    max_queued_requests: int = 64
-    policy: CapacityPolicyKind = CapacityPolicyKind.GUARANTEED_NO_EVICT
-    chunking: ChunkingPolicyKind = ChunkingPolicyKind.FIRST_COME_FIRST_SERVED
-    enable_prefix_reuse: bool = True
-    default_max_tokens: int = 512
-    kv_blocks: int | None = None
-    step_mode: StepMode = StepMode.COMPILED
-    chat_template: str | None = None  # a Jinja template replacing the tokenizer's own
-    # Inter-token latency target: None = the default from the engine's cost model (step_budget.py),
-    # 0 = off (every step may take max_num_tokens), > 0 = milliseconds per step, predicted.
-    itl_target_ms: float | None = None
-    calibrate: bool = False  # re-measure the step cost model at start instead of engine.json's
+    max_batch_size: int | None = option(
+        None, "Seats per step (<= the engine's). Alias: vLLM's --max-num-seqs.", minimum=1, aliases=("--max-num-seqs",)
+    )
+    max_num_tokens: int | None = option(
+        None,
+        "Tokens per step (<= the engine's). Alias: vLLM's --max-num-batched-tokens.",
+        minimum=1,
+        aliases=("--max-num-batched-tokens",),
+    )
+    max_queued_requests: int = option(64, "Requests that may wait for a seat; beyond them a 429.", minimum=0)
+    policy: CapacityPolicyKind = option(
+        CapacityPolicyKind.GUARANTEED_NO_EVICT,
+        "Who may hold KV blocks: guaranteed_no_evict admits only what fits to completion; max_utilization "
+        "admits what fits now and preempts when short; static_batch admits only when nothing runs.",
+    )
+    chunking: ChunkingPolicyKind = option(
+        ChunkingPolicyKind.FIRST_COME_FIRST_SERVED,
+        "Who gets a step's prefill budget: fcfs the oldest prompt first, equal_progress a share each.",
+    )
+    enable_prefix_reuse: bool = option(
+        True,
+        "Reuse the KV blocks of a shared prompt prefix. Alias: vLLM's --enable-prefix-caching.",
+        aliases=("--enable-prefix-caching",),
+    )
+    # A request without max_tokens generates at most this many tokens (and never past
+    # max_seq_len), so guaranteed_no_evict reserves a bounded number of blocks for it instead of
+    # a whole max_seq_len -- one such request can no longer serialize the server.
+    default_max_tokens: int = option(512, "For requests without max_tokens.", minimum=1)
+    kv_blocks: int | None = option(
+        None, "KV blocks the scheduler may use (<= the engine's pool).", minimum=1, cli=False
+    )
+    step_mode: StepMode = option(StepMode.COMPILED, "compiled, or an eager path for checking it.", cli=False)
+    # `ifb run --chat-template FILE` reads the file into it.
+    chat_template: str | None = option(None, "A Jinja template replacing the tokenizer's own.", cli=False)
+    itl_target_ms: float | None = option(
+        None,
+        "Inter-token latency target: each step's prefill chunk is the largest whose predicted step time "
+        "(the engine's cost model) stays under it, and at least one block, so streams never stall behind a "
+        f"long prompt. Default: {DEFAULT_TARGET_DECODE_MULTIPLE:g}x each step's own predicted decode time, at "
+        f"least {DEFAULT_TARGET_FLOOR_MS:g} ms, so the worst gap stays a small multiple of the typical one at any "
+        "load (/health shows it); off for an engine without a cost model. 0 = off: every step may take "
+        "--max-num-tokens.",
+        minimum=0,
+    )
+    calibrate: bool = option(
+        False,
+        "Re-measure the step cost model on this machine at start (a few seconds) instead of using the one "
+        "ifb build recorded in engine.json.",
+    )
 
     def __post_init__(self) -> None:  # accept the enums' string values from CLIs and callers
         object.__setattr__(self, "policy", CapacityPolicyKind(self.policy))
@@ -37,24 +84,53 @@ class RuntimeSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """What a user asks of the OpenAI-compatible server (`ifb run`, `ifb serve`): where it listens,
+    and create_app's keywords."""
+
+    host: str = option("127.0.0.1", "Address to listen on.")
+    port: int = option(8000, "Port to listen on.")
+    served_model_names: tuple[str, ...] = option(
+        (),
+        "A model name clients may use (repeatable; the first is reported). Default: the engine's.",
+        flag="--served-model-name",
+    )
+    api_key: str | None = option(None, "Require Authorization: Bearer KEY on /v1/*.", cli=False)  # cli: 3 sources
+    allowed_origins: tuple[str, ...] = option((), "A CORS origin browsers may call from (repeatable; default none).")
+    queue_timeout: float | None = option(None, "Seconds a request may wait before a 429.")
+
+    def app_options(self) -> dict[str, Any]:
+        """create_app's keywords: every setting but where to listen."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("host", "port")}
+
+
+@dataclass(frozen=True, slots=True)
 class RuntimeConfig:
+    """The settings in force: the engine's limits where a setting left them, the rest as given."""
+
     max_batch_size: int
     max_num_tokens: int
-    max_queued_requests: int = 64
-    policy: CapacityPolicyKind = CapacityPolicyKind.GUARANTEED_NO_EVICT
-    chunking: ChunkingPolicyKind = ChunkingPolicyKind.FIRST_COME_FIRST_SERVED
-    enable_prefix_reuse: bool = True
-    # A request without max_tokens generates at most this many tokens (and never past
-    # max_seq_len), so guaranteed_no_evict reserves a bounded number of blocks for it instead of
-    # a whole max_seq_len -- one such request can no longer serialize the server.
-    default_max_tokens: int = 512
-    num_kv_blocks: int = 0  # blocks the scheduler may use, <= the engine's pool
-    itl_target_ms: float | None = None  # as RuntimeSettings: None = default, 0 = off
-    calibrate: bool = False
+    max_queued_requests: int
+    policy: CapacityPolicyKind
+    chunking: ChunkingPolicyKind
+    enable_prefix_reuse: bool
+    default_max_tokens: int
+    num_kv_blocks: int  # blocks the scheduler may use, <= the engine's pool
+    itl_target_ms: float | None  # as RuntimeSettings: None = default, 0 = off
+    calibrate: bool
+
+
+def check_minimums(settings: RuntimeSettings) -> None:
+    """Each setting against its field's `minimum` (None, the engine's value, passes)."""
+    for spec in fields(settings):
+        minimum, value = spec.metadata.get("minimum"), getattr(settings, spec.name)
+        if minimum is not None and value is not None and not value >= minimum:  # `not >=`: NaN fails too
+            raise LimitExceededError(f"{spec.name} must be >= {minimum}, got {value}")
 
 
 def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> RuntimeConfig:
     """Runtime values may lower a baked limit, never raise it."""
+    check_minimums(settings)
     requested = {
         "max_batch_size": settings.max_batch_size,
         "max_num_tokens": settings.max_num_tokens,
@@ -62,11 +138,7 @@ def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> R
     }
     for name, value in requested.items():
         baked = getattr(engine.limits, name)
-        if value is None:
-            continue
-        if value < 1:
-            raise LimitExceededError(f"{name} must be >= 1, got {value}")
-        if value > baked:
+        if value is not None and value > baked:
             build_name = "kv_blocks" if name == "num_kv_blocks" else name
             raise LimitExceededError(
                 f"{name} {value} exceeds the engine's baked limit {name}={baked}; rebuild with: "
@@ -78,21 +150,12 @@ def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> R
         raise LimitExceededError(f"max_num_tokens {tokens} must be >= max_batch_size {batch}")
     if tokens < engine.limits.block_size:
         raise LimitExceededError(f"max_num_tokens {tokens} must be >= block_size {engine.limits.block_size}")
-    if settings.max_queued_requests < 0:
-        raise LimitExceededError(f"max_queued_requests must be >= 0, got {settings.max_queued_requests}")
-    if settings.default_max_tokens < 1:
-        raise LimitExceededError(f"default_max_tokens must be >= 1, got {settings.default_max_tokens}")
-    if settings.itl_target_ms is not None and not settings.itl_target_ms >= 0:
-        raise LimitExceededError(f"itl_target_ms must be >= 0 (0 = off), got {settings.itl_target_ms}")
+    as_given = {f.name: getattr(settings, f.name) for f in fields(RuntimeConfig) if hasattr(settings, f.name)}
     return RuntimeConfig(
-        max_batch_size=batch,
-        max_num_tokens=tokens,
-        max_queued_requests=settings.max_queued_requests,
-        policy=settings.policy,
-        chunking=settings.chunking,
-        enable_prefix_reuse=settings.enable_prefix_reuse,
-        default_max_tokens=settings.default_max_tokens,
-        num_kv_blocks=settings.kv_blocks or engine.limits.num_kv_blocks,
-        itl_target_ms=settings.itl_target_ms,
-        calibrate=settings.calibrate,
+        **{
+            **as_given,
+            "max_batch_size": batch,
+            "max_num_tokens": tokens,
+            "num_kv_blocks": settings.kv_blocks or engine.limits.num_kv_blocks,
+        }
     )
