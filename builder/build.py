@@ -7,7 +7,7 @@ import platform
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from ifb.builder.sources import (
 )
 from ifb.builder.weight_loader import network_state, plan_weights, warn_dequantized
 from ifb.runtime.engine_format import (
+    DTYPE_ALIASES,
     BuildOptionsRecord,
     EngineConfig,
     EngineLimits,
@@ -45,6 +46,7 @@ from ifb.runtime.engine_format import (
     kv_pool_shape,
 )
 from ifb.runtime.engine_format.weights_file import TensorEntry, WeightsWriter, map_weights
+from ifb.runtime.runtime_config import option
 from ifb.runtime.step.network import StepNetwork, attention_ops
 
 logger = logging.getLogger(__name__)
@@ -68,17 +70,52 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class BuildOptions:
-    max_batch_size: int = 16
-    max_num_tokens: int = 512
-    max_seq_len: int = 2048
-    block_size: int = 16
-    dtype: str = "auto"
-    weights: str = "auto"
-    kv_dtype: str = "auto"  # the KV pool's dtype; auto = dtype
-    compute: str = "auto"  # how block-quantized layers multiply: auto, or a WeightCompute value
-    kv_blocks: int | None = None
-    kv_memory_gb: float | None = None
-    backend: Backend = Backend.CPU
+    """What `ifb build` (and `ifb run SOURCE`, `LLM(SOURCE)`) is asked to build; each field is the
+    `ifb build` flag of the same name, with its help (runtime_config.option)."""
+
+    max_batch_size: int = option(16, "Seats per step baked into the engine.")
+    max_num_tokens: int = option(512, "Tokens per step baked into the engine.")
+    max_seq_len: int = option(2048, "Longest prompt + output in tokens.")
+    block_size: int = option(16, "Tokens per KV block (a power of two).")
+    dtype: str = option(
+        "auto",
+        "Activation/KV dtype (vLLM and TensorRT-LLM spellings: float32/fp32, bfloat16/bf16, float16/fp16). "
+        "auto: cpu backend: bf16 where the CPU has bf16 matrix units (AMX/AVX512-BF16), else fp32; "
+        "tensorrt backend: bf16 on compute capability >= 8.0, else fp16. fp16 is tensorrt only.",
+        choices=("auto", *DTYPE_ALIASES),
+        case_sensitive=False,
+    )
+    weights: str = option(
+        "auto",
+        "How linear weights are stored: auto keeps the source's precision (a GGUF's Q4_0/Q4_1/Q8_0 blocks, "
+        "an HF checkpoint's floats); fp32 dequantizes everything; q8_0/q4_1/q4_0 quantize every linear layer "
+        "(round-to-nearest per 32-weight block). Block formats compute with fp32 activations (cpu backend only).",
+        choices=WEIGHT_CHOICES,
+    )
+    kv_dtype: str = option(  # the KV pool's dtype; auto = dtype
+        "auto",
+        "What the paged KV cache stores: auto = the engine's dtype; float16/fp16/half (or bfloat16/bf16) "
+        "halves the pool of an fp32 engine, so --kv-memory holds twice the blocks. The step still computes in "
+        "its dtype: K/V are rounded when written and read back in fp32 (cpu backend only).",
+        choices=KV_DTYPE_CHOICES,
+        case_sensitive=False,
+    )
+    compute: str = option(  # how block-quantized layers multiply: auto, or a WeightCompute value
+        "auto",
+        "How block-quantized layers multiply: auto = int8 where the engine keeps block weights and this CPU "
+        "has integer dot products that pay (AVX2, AVX-512, VNNI: all measured faster), else fp32; int8 = "
+        "activations quantized per row and 32-block to int8 and integer dot products, as llama.cpp multiplies "
+        "its blocks (~2.7x faster layers at 32 rows; quality cost in bench/README.md); fp32 = fp32 activations "
+        "times the exact weights (the fp32 engine's numbers up to summation order). Rows stay batch-invariant "
+        "either way.",
+        choices=COMPUTE_CHOICES,
+    )
+    kv_blocks: int | None = option(None, "KV pool size in blocks.")
+    kv_memory_gb: float | None = option(None, "KV pool size in GB (instead of --kv-blocks).", flag="--kv-memory")
+    backend: Backend = option(Backend.CPU, "What compiles and runs the step.")
+
+    def __post_init__(self) -> None:  # accept the backend's string value from CLIs and callers
+        object.__setattr__(self, "backend", Backend(self.backend))
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,18 +303,19 @@ def _engine_source(source: ModelSource) -> EngineSource:
 
 
 def _options_record(options: BuildOptions, limits: EngineLimits, dtype: str, kv_dtype: str) -> BuildOptionsRecord:
+    """`options` as built: each record field from the option of its name, the limits' value where
+    `limits` has one (as resolved), and what the build resolved from auto."""
+    record = {f.name: getattr(options, f.name) for f in fields(BuildOptionsRecord)}
+    record.update((name, getattr(limits, name)) for name in list(record) if hasattr(limits, name))
     return BuildOptionsRecord(
-        max_batch_size=limits.max_batch_size,
-        max_num_tokens=limits.max_num_tokens,
-        max_seq_len=limits.max_seq_len,
-        block_size=limits.block_size,
-        kv_blocks=limits.num_kv_blocks,
-        dtype=dtype,
-        backend=options.backend.value,
-        weights=options.weights,
-        # auto when it is the engine's dtype, so a rebuild with another --dtype keeps the two equal
-        kv_dtype="auto" if kv_dtype == dtype else kv_dtype,
-        compute=options.compute,
+        **{
+            **record,
+            "kv_blocks": limits.num_kv_blocks,  # sized from --kv-memory or the seats when not given
+            "dtype": dtype,
+            "backend": options.backend.value,
+            # auto when it is the engine's dtype, so a rebuild with another --dtype keeps the two equal
+            "kv_dtype": "auto" if kv_dtype == dtype else kv_dtype,
+        }
     )
 
 

@@ -144,21 +144,9 @@ class EngineConfig:
         """The `ifb build` command that rebuilds this engine with every option it was built with,
         `overrides` (build option names, e.g. max_batch_size=32) applied."""
         options = replace(self.build_options, **overrides)  # type: ignore[arg-type]
-        flags = [
-            ("--max-batch-size", options.max_batch_size),
-            ("--max-num-tokens", options.max_num_tokens),
-            ("--max-seq-len", options.max_seq_len),
-            ("--block-size", options.block_size),
-            ("--kv-blocks", options.kv_blocks),
-            ("--dtype", options.dtype),
-            ("--backend", options.backend),
-            ("--weights", options.weights),
-            ("--kv-dtype", options.kv_dtype),
-            ("--compute", options.compute),
-        ]
         words = ["ifb", "build"] + ([self.source.path] if self.source.kind != "default" else [])
-        for flag, value in flags:
-            words += [flag, str(value)]
+        for name, value in _asdict(options).items():  # each record field is the `ifb build` flag of its name
+            words += ["--" + name.replace("_", "-"), str(value)]
         words += ["-o", str(self.folder)]
         return shlex.join(words)
 
