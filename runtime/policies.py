@@ -1,7 +1,7 @@
 """Scheduling policies: capacity (who may hold KV) and chunking (who gets the token budget).
 
 Each policy is a small class; `make_capacity_policy` / `make_chunking_policy` are the only
-places that branch on the enums (see scheduler_design.md for worked examples).
+places that branch on the enums (worked examples: docs/design.md §6).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The step-input contract, declared once: every tensor a step takes, its named dimensions and
 their bounds. Export arguments, dynamic shapes, ONNX names, TensorRT profiles and bindings are
-all derived from `STEP_INPUTS` and `dimension_bounds` (design.md §3).
+all derived from `STEP_INPUTS` and `dimension_bounds` (docs/design.md §3).
 
     input_ids, positions, slot_mapping      [num_tokens]        prefill chunks first, then decodes
     context_query_rows                      [num_context, max_chunk_len]   packed rows (padded)

@@ -1,6 +1,6 @@
 """Our own Llama-family network over one packed, padding-free step of many requests.
 
-One forward = one scheduler iteration (design.md §3): prefill chunks and decode tokens of many
+One forward = one scheduler iteration (docs/design.md §3): prefill chunks and decode tokens of many
 requests, K/V written into the paged pool through `slot_mapping`, attention over each
 request's blocks, logits only for the rows that sample. Fused q/k/v and gate/up projections
 keep the number of matmuls per layer at four.

@@ -1,7 +1,7 @@
 """StepInputs: one scheduler iteration turned into the flat tensors of the engine step contract.
 
 Context chunks (several query tokens) are packed first, then one token per decoding request
-(design.md §3). Logits come back in the order the sampling slices were given, not packed order.
+(docs/design.md §3). Logits come back in the order the sampling slices were given, not packed order.
 """
 
 from __future__ import annotations

@@ -247,7 +247,7 @@ def chunk_trace(budget: StepBudget) -> list[dict[int, int]]:
 
 def test_off_reproduces_the_fixed_budget_chunks_exactly() -> None:
     """itl_target_ms=0 is today's fixed token budget: step for step the same chunks as a latency
-    budget no step reaches, and scheduler_design.md's worked example (budget 64, two 100-token
+    budget no step reaches, and docs/design.md §6's worked example (budget 64, two 100-token
     prompts, FCFS) still holds."""
     off = make_step_budget(0, MODEL, max_batch_size=8, block_size=BLOCK)
     assert isinstance(off, FixedBudget)
