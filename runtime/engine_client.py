@@ -1,112 +1,89 @@
-"""EngineClient: hands prepared requests to the executor and their deltas back to callers.
+"""EngineClient: the one interface the HTTP server (runtime/server/) uses of an engine.
 
-Owns the admission gate (max_batch_size + max_queued_requests inside the engine at once) and
-one LoopMailbox per event loop; offers the three ways to consume a request: a sink callback,
-a blocking iterator, an async iterator. Closing or cancelling a consumer aborts its request.
+The vLLM shape: prepare and seat requests, stream their deltas, abort them, and read health,
+stats, metrics, capacity and model info. The in-process `LLM` (runtime/llm.py) and the Ray
+replica set (ifb/ray_serve/proxy.py) both implement it, so one app serves either; the server
+imports nothing else of the engine (tests/unit/test_layering.py). docs/design.md §2 has the
+request's path through it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import queue
-import threading
-import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
-from ifb.runtime.admission import AdmissionGate
-from ifb.runtime.executor import Executor
-from ifb.runtime.frontend import PreparedRequest
-from ifb.runtime.loop_mailbox import LoopMailbox
+from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.outputs import RequestOutput
+from ifb.runtime.sampling_params import SamplingParams
 
-Sink = Callable[[RequestOutput], None]
+T = TypeVar("T")
+Job = tuple[list[int], SamplingParams]  # one request: prompt token ids and its parameters
 
 
-class EngineClient:
-    def __init__(self, executor: Executor, capacity: int) -> None:
-        self.executor = executor
-        self.gate = AdmissionGate(capacity, on_refused=executor.count_refusal)
-        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
-        self._mailboxes_lock = threading.Lock()
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What /v1/models and /tokenize report."""
 
-    def submit(self, prepared: PreparedRequest, sink: Sink, block: bool = True, timeout: float | None = None) -> str:
-        """Take a seat (or raise QueueFullError) and queue the request; `sink` gets every delta on
-        the executor thread. Returns the request id."""
-        self.gate.acquire(block, timeout)
-        return self._enqueue(prepared, sink)
+    name: str
+    max_model_len: int
 
-    def _enqueue(self, prepared: PreparedRequest, sink: Sink) -> str:
-        """The caller already holds a gate seat; it is given back with the final delta."""
 
-        def release_then_sink(output: RequestOutput) -> None:
-            if output.finished:
-                self.gate.release()
-            sink(output)
+@dataclass(frozen=True, slots=True)
+class HealthReport:
+    """The /health body, and whether the engine can serve (200) or not (503)."""
 
-        request = prepared.request
-        self.executor.submit(request, release_then_sink, prepared.compiled_grammar, prepared.grammar_compile_s)
-        return request.request_id
+    ok: bool
+    body: dict[str, Any]
 
-    def abort(self, request_id: str) -> None:
-        self.executor.abort(request_id)
 
-    def iterate(
-        self, prepared: PreparedRequest, block: bool = True, timeout: float | None = None
-    ) -> Iterator[RequestOutput]:
-        """Deltas as they are produced, blocking; closing the iterator early aborts the request."""
-        inbox: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        request_id = self.submit(prepared, inbox.put, block, timeout)
-        return self._drain_sync(request_id, inbox)
+class EngineClient(Protocol):
+    @property
+    def model_info(self) -> ModelInfo: ...
 
-    def _drain_sync(self, request_id: str, inbox: queue.SimpleQueue[RequestOutput]) -> Iterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                output = inbox.get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.abort(request_id)
+    @property
+    def capacity(self) -> int:
+        """Requests the engine holds at once (max_batch_size + max_queued_requests); a response
+        needing more choices can never be seated."""
+        ...
 
-    def open_streams(
-        self, prepared: Sequence[PreparedRequest], block: bool = False, count_refusal: bool = True
+    # -- the frontend: blocking, call through off_loop from an event loop -------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]: ...
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """Run blocking frontend work on the client's bounded worker pool."""
+        ...
+
+    # -- requests -----------------------------------------------------------------------------
+    async def open_streams(
+        self, jobs: Sequence[Job], block: bool = False, count_refusal: bool = True
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Seat several requests at once (all or none) and return one async iterator each. Call
-        from a running event loop; with block=False a full engine raises QueueFullError at once."""
-        loop = asyncio.get_running_loop()
-        taken = 0
-        try:
-            for _ in prepared:
-                self.gate.acquire(block, None, count_refusal)
-                taken += 1
-        except BaseException:
-            for _ in range(taken):
-                self.gate.release()
-            raise
-        mailbox = self._mailbox(loop)
-        streams = []
-        for item in prepared:
-            inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            streams.append(self._drain_async(self._enqueue(item, functools.partial(mailbox.post, inbox)), inbox))
-        return streams
+        """Validate and seat every job (all or none; QueueFullError when full, AdmissionError
+        naming the field, EngineUnavailableError when nothing can serve); one async iterator of
+        deltas each. Closing an iterator before its final delta aborts that request."""
+        ...
 
-    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
-        with self._mailboxes_lock:
-            mailbox = self._mailboxes.get(loop)
-            if mailbox is None:
-                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
-            return mailbox
+    def abort(self, request_id: str) -> None: ...
 
-    async def _drain_async(self, request_id: str, inbox: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Cancelling or closing the consumer aborts the request inside the engine."""
-        finished = False
-        try:
-            while not finished:
-                output = await inbox.get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.abort(request_id)
+    # -- introspection ------------------------------------------------------------------------
+    def health(self) -> ExecutorHealth: ...
+
+    def health_report(self) -> HealthReport: ...
+
+    def stats(self) -> EngineSnapshot: ...
+
+    def metrics_text(self) -> bytes:
+        """Prometheus exposition text of the engine's `ifb:` series."""
+        ...
+
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait: until the queue ahead has likely drained."""
+        ...

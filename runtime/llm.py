@@ -1,6 +1,7 @@
 """LLM: the Python API over one engine folder. `LLM(engine).generate(prompts, params)`; streaming
-and async. A thin facade: the Frontend prepares requests, the EngineClient seats and streams
-them, the Executor runs the steps and publishes an EngineSnapshot.
+and async. A thin facade: the Frontend prepares requests, the RequestChannel seats and streams
+them, the Executor runs the steps and publishes an EngineSnapshot. It is also the server's
+in-process EngineClient (runtime/engine_client.py).
 
 Calls from several threads share batches; beyond max_batch_size + max_queued_requests an extra
 caller blocks (or gets QueueFullError with block=False or on timeout). Async callers never
@@ -18,15 +19,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ifb.runtime.engine_client import EngineClient
+from ifb.runtime.drain_rate import DrainRate
+from ifb.runtime.engine_client import HealthReport, Job, ModelInfo
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
 from ifb.runtime.executor import Executor
 from ifb.runtime.frontend import Frontend, PreparedRequest, Prompt
+from ifb.runtime.health_report import health_body
 from ifb.runtime.kv_cache_manager import KVCacheManager
+from ifb.runtime.metrics import Metrics
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
 from ifb.runtime.policies import make_capacity_policy, make_chunking_policy
+from ifb.runtime.request_channel import RequestChannel
 from ifb.runtime.runtime_config import RuntimeConfig, RuntimeSettings, resolve_runtime_config
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
@@ -50,7 +55,10 @@ class LLM:
         self.executor = Executor(
             lambda: Engine(self.engine_config, self.settings.step_mode), self._make_scheduler(), self.tokenizer
         )
-        self.client = EngineClient(self.executor, self.config.max_batch_size + self.config.max_queued_requests)
+        self.channel = RequestChannel(self.executor, self.config.max_batch_size + self.config.max_queued_requests)
+        self.metrics = Metrics(self.executor)
+        self._drain = DrainRate()
+        self.executor.finish_listeners.append(lambda request: self._drain.record_finish())
         self._workers = ThreadPoolExecutor(max_workers=FRONTEND_WORKERS, thread_name_prefix="ifb-frontend")
         self.executor.start()
 
@@ -80,6 +88,14 @@ class LLM:
     def model_name(self) -> str:
         return self.engine_config.model_name
 
+    @property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(self.engine_config.model_name, self.engine_config.limits.max_seq_len)
+
+    @property
+    def capacity(self) -> int:
+        return self.channel.gate.capacity
+
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.frontend.tokenize(prompt)
@@ -88,6 +104,12 @@ class LLM:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         return self.frontend.apply_chat_template(messages, tools)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.frontend.detokenize(token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.frontend.token_text(token_id)
 
     def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
         """Validate (AdmissionError naming the field) and compile any constraint."""
@@ -110,10 +132,10 @@ class LLM:
         """Queue one request; `sink` gets every delta on the executor thread. Returns its id."""
         prepared = self.prepare(prompt_token_ids, params)
         self._check_alive()
-        return self.client.submit(prepared, sink, block, timeout)
+        return self.channel.submit(prepared, sink, block, timeout)
 
     def abort(self, request_id: str) -> None:
-        self.client.abort(request_id)
+        self.channel.abort(request_id)
 
     # -- sync ---------------------------------------------------------------------------------
     def generate(
@@ -145,7 +167,7 @@ class LLM:
         """Deltas as they are produced; closing the iterator early aborts the request."""
         prepared = self.prepare(self.tokenize(prompt), params or SamplingParams())
         self._check_alive()
-        return self.client.iterate(prepared)
+        return self.channel.iterate(prepared)
 
     # -- async --------------------------------------------------------------------------------
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
@@ -153,13 +175,13 @@ class LLM:
         return await asyncio.get_running_loop().run_in_executor(self._workers, function, *args)
 
     async def open_streams(
-        self, jobs: Sequence[tuple[list[int], SamplingParams]], block: bool = False, count_refusal: bool = True
+        self, jobs: Sequence[Job], block: bool = False, count_refusal: bool = True
     ) -> list[AsyncIterator[RequestOutput]]:
         """Prepare (off the loop) and seat several requests at once (all or none get a seat);
         one async iterator of deltas each. With block=False a full engine raises QueueFullError."""
         prepared = await self.off_loop(lambda: [self.prepare(ids, params) for ids, params in jobs])
         self._check_alive()
-        return self.client.open_streams(prepared, block, count_refusal)
+        return self.channel.open_streams(prepared, block, count_refusal)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Async deltas of one request; waits for a seat without blocking the event loop."""
@@ -169,7 +191,7 @@ class LLM:
         while True:
             self._check_alive()
             try:
-                (stream,) = self.client.open_streams(prepared, block=False, count_refusal=False)
+                (stream,) = self.channel.open_streams(prepared, block=False, count_refusal=False)
                 break
             except QueueFullError:  # full: wait for a seat without blocking the event loop
                 await asyncio.sleep(0.01)
@@ -189,6 +211,18 @@ class LLM:
 
     def health(self) -> ExecutorHealth:
         return self.executor.health()
+
+    def health_report(self) -> HealthReport:
+        health = self.health()
+        budget = self.executor.scheduler.step_budget  # fixed at start: safe to read from any thread
+        body = health_body(self.model_name, health, self.stats(), self.engine_config, self.config, budget)
+        return HealthReport(health.ok, body)
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.text()
+
+    def retry_after_s(self) -> int:
+        return self._drain.retry_after_s(self.stats().num_waiting + 1)  # when the queue ahead has drained
 
     def close(self) -> None:
         self.executor.shutdown()

@@ -1,9 +1,10 @@
-"""ReplicaSetLLM: an LLM-shaped object for create_app whose requests run on Serve replicas.
+"""ReplicaSetLLM: the EngineClient (runtime/engine_client.py) whose requests run on Serve replicas.
 
-The server code is reused as is (duck typing): tokenizing, chat templates and detokenizing run
-here with the engine's own tokenizer (runtime Frontend); `open_streams` sends the prepared token
-ids to one replica chosen by the PrefixAffinityRouter and hands back one async iterator of
-deltas per job, exactly as the runtime LLM does. A replica that is full answers with a refusal
+create_app serves it as it serves the in-process LLM: tokenizing, chat templates and
+detokenizing run here with the engine's own tokenizer (runtime Frontend); `open_streams` sends
+the prepared token ids to one replica chosen by the PrefixAffinityRouter and hands back one
+async iterator of deltas per job, exactly as the runtime LLM does; health, stats and metrics
+come from the replicas' latest reports (aggregate.py). A replica that is full answers with a refusal
 and the call is retried on the others; only when every replica refused is QueueFullError (429)
 raised. A replica that dies mid-request ends its streams with finish_reason `error`.
 """
@@ -12,14 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ifb.ray_serve import aggregate
 from ifb.ray_serve.affinity import router_for
-from ifb.ray_serve.replica import Delta, Job, Opened, Refused
+from ifb.ray_serve.replica import Delta, Opened, Refused
+from ifb.ray_serve.report import ReplicaView
+from ifb.runtime.drain_rate import MIN_RETRY_S
+from ifb.runtime.engine_client import HealthReport, Job, ModelInfo
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, IfbError, QueueFullError
@@ -38,26 +43,6 @@ _REFUSALS: dict[str, type[IfbError]] = {
 }
 
 
-@dataclass(slots=True)
-class _ExecutorShape:
-    """What create_app and Metrics touch on `llm.executor`. Nothing runs here, so the listeners
-    never fire: each replica keeps its own metrics, and Retry-After falls back to its minimum."""
-
-    queue_timeout_s: float | None = None
-    finish_listeners: list[Callable[[Any], None]] = field(default_factory=list)
-    step_listeners: list[Callable[[Any], None]] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class _Gate:
-    capacity: int
-
-
-@dataclass(frozen=True, slots=True)
-class _ClientShape:
-    gate: _Gate
-
-
 class ReplicaSetLLM:
     def __init__(self, engine: str | Path, settings: RuntimeSettings, handle: Any, num_replicas: int) -> None:
         """`handle`: the replica deployment's DeploymentHandle."""
@@ -68,16 +53,20 @@ class ReplicaSetLLM:
         self.config: RuntimeConfig = resolve_runtime_config(self.engine_config, settings)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_path))
         self.frontend = Frontend(self.engine_config, self.config, self.tokenizer, settings.chat_template)
-        self.executor = _ExecutorShape()
-        self.client = _ClientShape(_Gate(self.config.max_batch_size + self.config.max_queued_requests))
         self.deployment_name = handle.deployment_name
         self.num_replicas = num_replicas
         self._generate = handle.options(method_name="generate", stream=True)
         self._workers = ThreadPoolExecutor(max_workers=FRONTEND_WORKERS, thread_name_prefix="ifb-frontend")
+        self._calls: dict[str, _Call] = {}  # request id -> the call carrying it, until it finished
 
     @property
-    def model_name(self) -> str:
-        return self.engine_config.model_name
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(self.engine_config.model_name, self.engine_config.limits.max_seq_len)
+
+    @property
+    def capacity(self) -> int:
+        """One replica's admission limit: every choice of a response is seated on one replica."""
+        return self.config.max_batch_size + self.config.max_queued_requests
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.frontend.tokenize(prompt)
@@ -86,6 +75,12 @@ class ReplicaSetLLM:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         return self.frontend.apply_chat_template(messages, tools)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.frontend.detokenize(token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.frontend.token_text(token_id)
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._workers, function, *args)
@@ -112,7 +107,7 @@ class ReplicaSetLLM:
                 response.cancel()
                 raise
             if isinstance(first, Opened):
-                return _Call(response, len(jobs), first.replica).streams()
+                return _Call(response, len(jobs), first.replica, self._calls).streams()
             assert isinstance(first, Refused)
             if first.kind != "QueueFullError":
                 raise _refusal_error(first)
@@ -121,25 +116,43 @@ class ReplicaSetLLM:
             raise EngineUnavailableError(f"no replica could take the request: {failure}")
         raise QueueFullError(f"every replica is full ({len(avoid)} refused); retry later")
 
-    # -- introspection: the replicas' latest routing stats ----------------------------------
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
+    def abort(self, request_id: str) -> None:
+        """Cancels the Serve call carrying the request: with n > 1 choices, its siblings too
+        (one call seats all of a response's choices on one replica)."""
+        call = self._calls.get(request_id)
+        if call is not None:
+            call.cancel()
+
+    # -- introspection: the replicas' latest reports ------------------------------------------
+    def replica_views(self) -> dict[str, ReplicaView]:
         router = router_for(self.deployment_name)
-        return {} if router is None else router.replica_stats()
+        return {} if router is None else router.replica_views()
 
     def stats(self) -> EngineSnapshot:
-        """Running and waiting summed over replicas (create_app's 429 handler reads these)."""
-        stats = self.replica_stats().values()
+        """Running and waiting summed over replicas."""
+        reports = [v.report for v in self.replica_views().values() if v.report is not None]
         return EngineSnapshot(
-            num_running=sum(int(s.get("num_running", 0)) for s in stats),
-            num_waiting=sum(int(s.get("num_waiting", 0)) for s in stats),
+            num_running=sum(r.num_running for r in reports),
+            num_waiting=sum(r.num_waiting for r in reports),
         )
 
     def health(self) -> ExecutorHealth:
         """Healthy while any replica can serve."""
-        stats = self.replica_stats().values()
-        if any(s.get("ok") for s in stats):
+        if any(v.report is not None and v.report.ok for v in self.replica_views().values()):
             return ExecutorHealth(alive=True, stuck=False, error=None)
         return ExecutorHealth(alive=False, stuck=False, error="no replica can serve")
+
+    def health_report(self) -> HealthReport:
+        body = aggregate.health_body(self.model_info.name, self.replica_views(), time.time())
+        return HealthReport(body["num_ready"] > 0, body)
+
+    def metrics_text(self) -> bytes:
+        return aggregate.metrics_text(self.replica_views())
+
+    def retry_after_s(self) -> int:
+        # Finishes happen in the replicas and are not reported here; the ingress only retries a
+        # refusal on the other replicas, so a 429 means all are full: the shortest wait.
+        return MIN_RETRY_S
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
@@ -167,9 +180,10 @@ class _Call:
     queue per job. Closing a job's iterator before it finished cancels the whole call (the
     replica aborts its requests); the server closes every iterator of a response together."""
 
-    def __init__(self, response: Any, num_jobs: int, replica: str) -> None:
+    def __init__(self, response: Any, num_jobs: int, replica: str, registry: dict[str, _Call]) -> None:
         self.response = response
         self.replica = replica
+        self.registry = registry  # request id -> call, for abort(); each id leaves with its final delta
         self.queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue() for _ in range(num_jobs)]
         self.request_ids = [""] * num_jobs
         self.done = [False] * num_jobs  # a final delta was queued
@@ -180,13 +194,18 @@ class _Call:
         try:
             async for delta in self.response:
                 assert isinstance(delta, Delta)
-                self.request_ids[delta.index] = delta.output.request_id
+                request_id = self.request_ids[delta.index] = delta.output.request_id
                 self.done[delta.index] = delta.output.finished
+                if delta.output.finished:
+                    self.registry.pop(request_id, None)
+                else:
+                    self.registry[request_id] = self
                 self.queues[delta.index].put_nowait(delta.output)
         except Exception as error:
             message = f"replica {self.replica} failed mid-request ({_short(error)}); retry the request"
             logger.warning("%s", message)
         for i, queue in enumerate(self.queues):
+            self.registry.pop(self.request_ids[i], None)
             if not self.done[i]:
                 self.done[i] = True
                 queue.put_nowait(RequestOutput(self.request_ids[i], (), "", True, FinishReason.ERROR, error=message))
@@ -206,6 +225,8 @@ class _Call:
                 self.cancel()
 
     def cancel(self) -> None:
+        for request_id in self.request_ids:
+            self.registry.pop(request_id, None)
         if not self.pump.done():
             self.response.cancel()
             self.pump.cancel()

@@ -16,19 +16,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import generate_latest
-
+from ifb.ray_serve.report import ReplicaReport
+from ifb.runtime.engine_client import Job
 from ifb.runtime.errors import AdmissionError, IfbError
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.runtime_config import RuntimeSettings
-from ifb.runtime.sampling_params import SamplingParams
-from ifb.runtime.server.health import health_body
-from ifb.runtime.server.metrics import Metrics
 from ifb.runtime.server.streams import close, first_delta, merge
 
 logger = logging.getLogger(__name__)
-
-Job = tuple[list[int], SamplingParams]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +73,7 @@ class IfbReplica:
         set_threads(threads)
         self.llm = LLM(engine, settings)
         if queue_timeout is not None:
-            self.llm.executor.queue_timeout_s = queue_timeout
-        self.metrics = Metrics(self.llm)
+            self.llm.executor.queue_timeout_s = queue_timeout  # QUEUE-TIMEOUT-INTERIM
         self.replica = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serving %s (pid %d)", self.replica, self.llm.model_name, os.getpid())
 
@@ -120,19 +114,19 @@ class IfbReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """Load for the router; the /health body and the metrics text for the ingress."""
         llm = self.llm
-        snapshot, health = llm.stats(), llm.health()
-        budget = llm.executor.scheduler.step_budget
-        return {
-            "replica": self.replica,
-            "pid": os.getpid(),
-            "reported_at": time.time(),
-            "ok": health.ok,
-            "num_running": snapshot.num_running,
-            "num_waiting": snapshot.num_waiting,
-            "capacity": llm.client.gate.capacity,
-            "health": health_body(llm.model_name, health, snapshot, llm.engine_config, llm.config, budget),
-            "metrics": generate_latest(self.metrics.registry).decode(),
-        }
+        snapshot, health = llm.stats(), llm.health_report()
+        report = ReplicaReport(
+            replica=self.replica,
+            pid=os.getpid(),
+            reported_at=time.time(),
+            ok=health.ok,
+            num_running=snapshot.num_running,
+            num_waiting=snapshot.num_waiting,
+            capacity=llm.capacity,
+            health=health.body,
+            metrics=llm.metrics_text().decode(),
+        )
+        return report.to_stats()
 
     def __del__(self) -> None:
         llm = getattr(self, "llm", None)

@@ -28,6 +28,7 @@ from ifb.ray_serve.affinity import (
     rank_replicas,
     register_router,
 )
+from ifb.ray_serve.report import ReplicaReport, ReplicaView
 
 logger = logging.getLogger(__name__)
 
@@ -41,27 +42,23 @@ class PrefixAffinityRouter(RequestRouter):
         self._in_flight = InFlightLedger()
         register_router(self._deployment_id.name, self)
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """The latest routing stats of every replica Serve considers running, by replica id, with
-        this router's count of requests in flight on it."""
+    def replica_views(self) -> dict[str, ReplicaView]:
+        """Every replica Serve considers running, by replica id: its latest report and this
+        router's count of requests in flight on it."""
         return {
-            r.replica_id.unique_id: {
-                **(r.routing_stats or {}),
-                "router_in_flight": self._in_flight.count(r.replica_id.unique_id),
-            }
+            r.replica_id.unique_id: ReplicaView(
+                ReplicaReport.from_stats(r.routing_stats), self._in_flight.count(r.replica_id.unique_id)
+            )
             for r in self._replicas_list
         }
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
-        stats = replica.routing_stats or {}
         name = replica.replica_id.unique_id
-        return ReplicaLoad(
-            name,
-            int(stats.get("num_running", 0)),
-            int(stats.get("num_waiting", 0)),
-            int(stats.get("capacity", _UNREPORTED_CAPACITY)) if stats.get("ok", True) else 0,
-            self._in_flight.count(name),
-        )
+        report = ReplicaReport.from_stats(replica.routing_stats)
+        if report is None:  # not reported yet: open, with what this router sent it
+            return ReplicaLoad(name, 0, 0, _UNREPORTED_CAPACITY, self._in_flight.count(name))
+        capacity = report.capacity if report.ok else 0
+        return ReplicaLoad(name, report.num_running, report.num_waiting, capacity, self._in_flight.count(name))
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

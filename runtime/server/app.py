@@ -14,9 +14,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ifb import __version__
+from ifb.runtime.engine_client import EngineClient
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
-from ifb.runtime.llm import LLM
-from ifb.runtime.server.drain_rate import DrainRate
 from ifb.runtime.server.errors import ModelNotFound, error_response, validation_field
 from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware
 from ifb.runtime.server.routes import Routes
@@ -25,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(
-    llm: LLM,
+    engine: EngineClient,
     *,
     api_key: str | None = None,
     queue_timeout: float | None = None,
@@ -33,7 +32,8 @@ def create_app(
     served_model_names: tuple[str, ...] = (),
     allowed_origins: tuple[str, ...] = (),
 ) -> FastAPI:
-    """`served_model_names`: the names clients may use (the first is reported), default the
+    """The app over any EngineClient (the in-process LLM, or the Ray replica set).
+    `served_model_names`: the names clients may use (the first is reported), default the
     engine's model name; `allowed_origins`: CORS origins (none by default: no CORS headers)."""
     with_key = api_key is not None
     app = FastAPI(
@@ -43,12 +43,10 @@ def create_app(
         redoc_url=None if with_key else "/redoc",
         openapi_url=None if with_key else "/openapi.json",
     )
-    if queue_timeout is not None:  # the engine refuses what waits longer; the server says 429
-        llm.executor.queue_timeout_s = queue_timeout
-    routes = Routes(llm, served_model_names or (llm.model_name,))
-    drain = DrainRate()
-    llm.executor.finish_listeners.append(lambda request: drain.record_finish())
-    _add_error_handlers(app, llm, drain)
+    if queue_timeout is not None and hasattr(engine, "executor"):  # QUEUE-TIMEOUT-INTERIM
+        engine.executor.queue_timeout_s = queue_timeout  # type: ignore[attr-defined]  # QUEUE-TIMEOUT-INTERIM
+    routes = Routes(engine, served_model_names or (engine.model_info.name,))
+    _add_error_handlers(app, engine)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     if allowed_origins:  # added last, so it runs first: preflight requests carry no API key
         app.add_middleware(
@@ -67,7 +65,7 @@ def create_app(
     return app
 
 
-def _add_error_handlers(app: FastAPI, llm: LLM, drain: DrainRate) -> None:
+def _add_error_handlers(app: FastAPI, engine: EngineClient) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, error: RequestValidationError) -> JSONResponse:
         field, message = validation_field(error)
@@ -85,8 +83,7 @@ def _add_error_handlers(app: FastAPI, llm: LLM, drain: DrainRate) -> None:
 
     @app.exception_handler(QueueFullError)
     async def on_full(_: Request, error: QueueFullError) -> JSONResponse:
-        retry = drain.retry_after_s(llm.stats().num_waiting + 1)  # when the queue ahead has drained
-        return error_response(429, str(error), headers={"Retry-After": str(retry)})
+        return error_response(429, str(error), headers={"Retry-After": str(engine.retry_after_s())})
 
     @app.exception_handler(EngineUnavailableError)
     async def on_unavailable(_: Request, error: EngineUnavailableError) -> JSONResponse:

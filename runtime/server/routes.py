@@ -9,15 +9,12 @@ from typing import Any, TypeAlias
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ifb import __version__
+from ifb.runtime.engine_client import EngineClient
 from ifb.runtime.errors import AdmissionError
-from ifb.runtime.llm import LLM
 from ifb.runtime.server.errors import ModelNotFound, error_response
-from ifb.runtime.server.health import health_body
-from ifb.runtime.server.metrics import Metrics
 from ifb.runtime.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,11 +29,10 @@ OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 
 
 class Routes:
-    def __init__(self, llm: LLM, model_names: tuple[str, ...]) -> None:
-        self.llm = llm
+    def __init__(self, engine: EngineClient, model_names: tuple[str, ...]) -> None:
+        self.engine = engine
         self.model_names = model_names
         self.model_id = model_names[0]
-        self.metrics = Metrics(llm)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -46,7 +42,7 @@ class Routes:
         return {"status": "alive"}
 
     def _card(self, name: str) -> dict[str, Any]:
-        limit = self.llm.engine_config.limits.max_seq_len
+        limit = self.engine.model_info.max_model_len
         return {"id": name, "object": "model", "created": 0, "owned_by": "ifb", "max_model_len": limit}
 
     async def models(self) -> dict[str, Any]:
@@ -61,7 +57,7 @@ class Routes:
         (prompts x n) than the whole engine can ever hold (a 400: retrying cannot help)."""
         self.check_model(body.model)
         body.refuse_unsupported()
-        choices, capacity = body.num_prompts * body.n, self.llm.client.gate.capacity
+        choices, capacity = body.num_prompts * body.n, self.engine.capacity
         if choices > capacity:
             raise AdmissionError(
                 f"{body.num_prompts} prompt(s) x n={body.n} = {choices} requests exceed this server's capacity of "
@@ -71,14 +67,14 @@ class Routes:
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_request(body)
-        prompts = await self.llm.off_loop(_completion_prompts, self.llm, body.prompt)
+        prompts = await self.engine.off_loop(_completion_prompts, self.engine, body.prompt)
         return await self.respond(raw, body, prompts, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(body)
         tools = body.tool_plan()
         messages = body.chat_messages()
-        prompt = await self.llm.off_loop(self.llm.apply_chat_template, messages, tools.template_tools())
+        prompt = await self.engine.off_loop(self.engine.apply_chat_template, messages, tools.template_tools())
         return await self.respond(raw, body, [prompt], chat=True, tools=tools)
 
     async def respond(
@@ -94,10 +90,10 @@ class Routes:
             for p_index, prompt in enumerate(prompts)
             for j in range(body.n)
         ]
-        opened = await self.llm.open_streams([(c.prompt_token_ids, c.params) for c in choices])
+        opened = await self.engine.open_streams([(c.prompt_token_ids, c.params) for c in choices])
         streams = [refuse_queue_timeouts(s) for s in opened]
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        shape = ResponseShape(response_id, int(time.time()), self.model_id, chat, self.llm.frontend.token_text, tools)
+        shape = ResponseShape(response_id, int(time.time()), self.model_id, chat, self.engine.token_text, tools)
         if body.stream:
             return await self._stream(shape, choices, streams, body)
         task = asyncio.ensure_future(collect_all(streams))
@@ -130,37 +126,37 @@ class Routes:
             self.check_model(body.model)
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages)
-            ids = await self.llm.off_loop(self.llm.apply_chat_template, chat.chat_messages())
+            ids = await self.engine.off_loop(self.engine.apply_chat_template, chat.chat_messages())
         elif body.prompt is not None:
-            ids = await self.llm.off_loop(self.llm.tokenize, body.prompt)
+            ids = await self.engine.off_loop(self.engine.tokenize, body.prompt)
         else:
             raise AdmissionError("give prompt or messages", field="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.engine_config.limits.max_seq_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.model_info.max_model_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
             self.check_model(body.model)
-        return {"prompt": await self.llm.off_loop(self.llm.frontend.detokenize, body.tokens)}
+        return {"prompt": await self.engine.off_loop(self.engine.detokenize, body.tokens)}
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
 
     async def health(self) -> JSONResponse:
-        llm = self.llm
-        health = llm.health()
-        budget = llm.executor.scheduler.step_budget  # fixed at start: safe to read from any thread
-        body = health_body(self.model_id, health, llm.stats(), llm.engine_config, llm.config, budget)
-        return JSONResponse(body, status_code=200 if health.ok else 503)
+        report = self.engine.health_report()
+        body = {**report.body, "model": self.model_id}  # the name clients use, as /v1/models says
+        return JSONResponse(body, status_code=200 if report.ok else 503)
 
     async def metrics_text(self) -> Response:
-        return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(self.engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _completion_prompts(llm: LLM, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+def _completion_prompts(
+    engine: EngineClient, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [llm.tokenize(prompt)]
+        return [engine.tokenize(prompt)]
     if not prompt:
         raise AdmissionError("prompt is empty", field="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [llm.tokenize(prompt)]  # type: ignore[arg-type]
-    return [llm.tokenize(p) for p in prompt]  # type: ignore[arg-type]
+        return [engine.tokenize(prompt)]  # type: ignore[arg-type]
+    return [engine.tokenize(p) for p in prompt]  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from ifb.builder.errors import BuildError
 from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
 from ifb.runtime.engine_format import BackendKind, EngineConfig
 from ifb.runtime.errors import EngineFormatError
-from ifb.runtime.server.health import engine_block
+from ifb.runtime.health_report import engine_block
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs

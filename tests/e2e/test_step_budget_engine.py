@@ -11,8 +11,6 @@ import pytest
 from ifb import LLM, SamplingParams
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.executor import StepRecord
-from ifb.runtime.server.health import health_body
-from ifb.runtime.server.metrics import Metrics
 from ifb.runtime.step_budget import FixedBudget, LatencyTargetBudget, RelativeTargetBudget
 from ifb.runtime.step_cost_model import StepCostModel, StepShape
 from ifb.runtime.trace import TraceRecorder
@@ -75,10 +73,9 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
             assert isinstance(budget, LatencyTargetBudget if target else RelativeTargetBudget)
             steps: list[StepRecord] = []
             llm.executor.step_listeners.append(steps.append)
-            metrics = Metrics(llm)
             trace = TraceRecorder.attach(llm.executor)
             outputs = [o.token_ids for o in llm.generate(batch, GREEDY)]
-            health = health_body("tiny", llm.health(), llm.stats(), llm.engine_config, llm.config, budget)
+            health = llm.health_report().body
         assert outputs == off
         assert all(s.predicted_ms is not None and s.predicted_ms > 0 for s in steps)
         if target is not None:
@@ -99,7 +96,7 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
             "weight_compute": None,
             "kernels_isa": None,
         }
-        count = metrics.registry.get_sample_value("ifb:step_time_prediction_error_ratio_count")
+        count = llm.metrics.registry.get_sample_value("ifb:step_time_prediction_error_ratio_count")
         assert count == len(steps)
         counters = [e for e in trace.events if e["ph"] == "C" and e["name"] == "step_ms"]
         assert len(counters) == len(steps) and all(e["args"]["predicted"] > 0 for e in counters)

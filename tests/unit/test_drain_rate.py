@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ifb.runtime.server.drain_rate import DrainRate
+from ifb.runtime.drain_rate import DrainRate
 
 
 class Clock:

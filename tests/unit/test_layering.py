@@ -60,3 +60,38 @@ def test_the_scheduling_side_imports_no_torch() -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+# The request's vocabulary (parameters, outputs, errors) and the EngineClient protocol: all the
+# server may know of the engine, so the in-process LLM and the Ray replica set serve alike.
+SERVER_MAY_IMPORT = (
+    "ifb.runtime.engine_client",
+    "ifb.runtime.engine_snapshot",
+    "ifb.runtime.errors",
+    "ifb.runtime.guided",
+    "ifb.runtime.outputs",
+    "ifb.runtime.request",
+    "ifb.runtime.sampling_params",
+    "ifb.runtime.server",
+)
+
+
+def test_the_server_uses_the_engine_only_through_engine_client() -> None:
+    found = {}
+    for path in sorted((ROOT / "runtime" / "server").rglob("*.py")):
+        engine_modules = {m for m in imported_modules(path) if m.startswith("ifb.")}
+        bad = sorted(m for m in engine_modules if not m.startswith(SERVER_MAY_IMPORT))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    assert found == {}
+
+
+def test_both_engine_clients_implement_every_member_of_the_protocol() -> None:
+    from ifb.ray_serve.proxy import ReplicaSetLLM
+    from ifb.runtime.engine_client import EngineClient
+    from ifb.runtime.llm import LLM
+
+    members = {name for name in vars(EngineClient) if not name.startswith("_")}
+    assert {"open_streams", "abort", "health_report", "metrics_text", "capacity", "model_info"} <= members
+    for client in (LLM, ReplicaSetLLM):
+        assert sorted(m for m in members if not hasattr(client, m)) == [], client.__name__

@@ -1,5 +1,6 @@
-"""The /health body: the Edge-LLM seed's scheduling block (its key names, `queued` and
-`resident`, are that API's) plus KV and guided figures, all read from the published snapshot."""
+"""The /health body of one engine: the Edge-LLM seed's scheduling block (its key names, `queued`
+and `resident`, are that API's) plus limits, KV and guided figures, all read from the published
+snapshot. The server returns it as the engine client hands it over (runtime/engine_client.py)."""
 
 from __future__ import annotations
 

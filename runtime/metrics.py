@@ -1,19 +1,16 @@
-"""Prometheus metrics, `ifb:`-prefixed and shaped like vLLM's, fed by the executor."""
+"""Prometheus metrics, `ifb:`-prefixed and shaped like vLLM's, fed by the executor: gauges and
+counters read from its published snapshot at scrape time, histograms observed on its thread."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ifb.runtime.executor import StepRecord
+from ifb.runtime.executor import Executor, StepRecord
 from ifb.runtime.request import Request
-
-if TYPE_CHECKING:
-    from ifb.runtime.llm import LLM
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 # measured / predicted - 1: 0 is a perfect prediction, 0.5 a step 50% slower than predicted.
@@ -21,13 +18,13 @@ _PREDICTION_ERROR_BUCKETS = (-0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 
 
 
 class _SchedulerCollector(Collector):
-    """Gauges and counters read from the scheduler at scrape time."""
+    """Gauges and counters read from the executor's snapshot at scrape time."""
 
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        snapshot = self.llm.stats()
+        snapshot = self.executor.snapshot
         c, kv = snapshot.counters, snapshot.kv
         yield GaugeMetricFamily(
             "ifb:num_requests_running", "Requests in the running batch.", value=snapshot.num_running
@@ -54,9 +51,9 @@ class _SchedulerCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, executor: Executor) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(llm))
+        self.registry.register(_SchedulerCollector(executor))
         r = self.registry
         self.ttft = Histogram(
             "ifb:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
@@ -80,8 +77,12 @@ class Metrics:
             buckets=_PREDICTION_ERROR_BUCKETS,
             registry=r,
         )
-        llm.executor.finish_listeners.append(self.on_finish)
-        llm.executor.step_listeners.append(self.on_step)
+        executor.finish_listeners.append(self.on_finish)
+        executor.step_listeners.append(self.on_step)
+
+    def text(self) -> bytes:
+        """The Prometheus exposition text of every series."""
+        return generate_latest(self.registry)
 
     def on_step(self, step: StepRecord) -> None:
         """Runs on the executor thread once per step."""
