@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -47,11 +45,3 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> lis
             torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     return out[0, len(prompt) :].tolist()
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll `condition` until true; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)

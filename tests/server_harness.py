@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import uvicorn
+from waiting import wait_until
 
 from ifb.runtime.llm import LLM
 from ifb.runtime.server import create_app
@@ -30,15 +30,12 @@ def running_server(llm: LLM, **app_options: Any) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 20
-    while True:
-        try:
-            httpx.get(base + "/health", timeout=1)
-            break
-        except httpx.HTTPError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.05)
+    wait_until(
+        lambda: httpx.get(base + "/health", timeout=5).status_code,
+        60,
+        "the server to answer /health",
+        ignoring=(httpx.HTTPError,),
+    )
     try:
         yield base
     finally:

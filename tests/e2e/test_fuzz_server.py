@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from greedy_loop import wait_until
 from hypothesis import HealthCheck, given, settings
+from waiting import wait_until
 
 from ifb import LLM
 from ifb.runtime.server import create_app
@@ -53,7 +53,9 @@ def test_no_generated_request_gets_a_5xx(api_schema: schemathesis.BaseSchema) ->
 
 def test_fuzzing_left_nothing_behind(fuzzed_llm: LLM) -> None:
     """Runs after the fuzz cases (same module): every request ended and gave its blocks back."""
-    wait_until(lambda: fuzzed_llm.stats().num_running == 0 and fuzzed_llm.stats().num_waiting == 0)
+    wait_until(
+        lambda: fuzzed_llm.stats().num_running == 0 and fuzzed_llm.stats().num_waiting == 0, 30, "an idle engine"
+    )
     snapshot = fuzzed_llm.stats()
     assert snapshot.kv.num_used_blocks == 0
     assert (

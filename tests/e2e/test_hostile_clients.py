@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from greedy_loop import wait_until
 from server_harness import running_server
+from waiting import wait_until
 
 from ifb import LLM, SamplingParams
 from ifb.runtime import executor as executor_module
@@ -109,7 +109,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone(served: tuple[str, LLM]) -> No
         stream_body = {"prompt": [9, 9], "max_tokens": 5, "temperature": 1.25, "stream": True}
         lines = [line for line in httpx.post(base + "/v1/completions", json=stream_body).text.splitlines() if line]
         assert any("injected sampling fault" in line and '"error"' in line for line in lines)
-        wait_until(lambda: bool(neighbour) and neighbour[-1].finished)
+        wait_until(lambda: bool(neighbour) and neighbour[-1].finished, 30, "the neighbour to finish")
         assert neighbour[-1].finish_reason is FinishReason.LENGTH and neighbour[-1].num_output_tokens == 30
     finally:
         sampler.sample = sample  # type: ignore[method-assign]
@@ -122,13 +122,13 @@ def test_a_dead_step_loop_is_seen_everywhere(tiny_llama_engine: Path) -> None:
     with running_server(llm) as base:
         resident: list[Any] = []
         llm.submit([5, 6], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), resident.append)
-        wait_until(lambda: len(resident) > 2)
+        wait_until(lambda: len(resident) > 2, 30, "tokens of the resident request")
 
         def broken() -> None:
             raise RuntimeError("injected scheduler fault")
 
         llm.executor.scheduler.schedule = broken  # type: ignore[method-assign]
-        wait_until(lambda: bool(resident) and resident[-1].finished)
+        wait_until(lambda: bool(resident) and resident[-1].finished, 30, "the resident request to end")
         assert resident[-1].finish_reason is FinishReason.ERROR and "died" in (resident[-1].error or "")
         health = httpx.get(base + "/health")
         assert health.status_code == 503 and "injected scheduler fault" in health.json()["executor"]["error"]
@@ -151,12 +151,12 @@ def test_a_stuck_step_is_seen_everywhere(tiny_llama_engine: Path, monkeypatch: p
     with running_server(llm) as base:
         llm.engine.step = hanging  # type: ignore[method-assign]
         llm.submit([5, 6], SamplingParams(max_tokens=1, temperature=0), lambda o: None)
-        wait_until(lambda: llm.health().stuck, timeout=5)
+        wait_until(lambda: llm.health().stuck, 5, "the stuck flag")
         health = httpx.get(base + "/health")
         assert health.status_code == 503 and health.json()["executor"]["stuck"] is True
         assert httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 503
         llm.engine.step = step  # type: ignore[method-assign]
-        wait_until(lambda: llm.health().ok, timeout=5)
+        wait_until(lambda: llm.health().ok, 5, "health back to ok")
         assert httpx.get(base + "/health").status_code == 200
     llm.close()
 

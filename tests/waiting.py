@@ -1,0 +1,121 @@
+"""How tests wait: on a condition the code exposes, never on the clock.
+
+`wait_until` is the one polling helper of the test suite; its timeout is an upper bound for a
+loaded machine, never a claim about speed (timings belong in bench/). `StepGate` holds the
+executor thread before each engine step (Executor.step_started_listeners) until a rule about
+the batch holds, so a test can pin the order of events it claims instead of racing the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ifb.runtime.executor import Executor
+from ifb.runtime.request import Request
+from ifb.runtime.scheduler import ScheduledBatch
+
+T = TypeVar("T")
+POLL_S = 0.01
+GATE_TIMEOUT_S = 60.0  # how long a held step waits for its rule before it fails (the test fails)
+
+
+def wait_until(
+    condition: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    *,
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Poll `condition` until it returns something truthy, and return that. Raises AssertionError
+    naming `what` after `timeout_s`. An exception in `ignoring` counts as "not yet"."""
+    deadline = time.monotonic() + timeout_s
+    last_error: BaseException | None = None
+    while True:
+        try:
+            result = condition()
+            if result:
+                return result
+        except ignoring as error:
+            last_error = error
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_error!r})" if last_error is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{detail}")
+        time.sleep(POLL_S)
+
+
+class StepGate:
+    """Holds each engine step on the executor thread until `allow(batch)` is true, and records
+    what reached the executor: the requests submitted, the aborts, the steps each request took.
+
+        with StepGate(llm.executor, allow=gate_rule) as gate:  # gate.allow may be changed later
+            ...
+
+    A step held past GATE_TIMEOUT_S fails its requests (the executor treats the listener's
+    AssertionError as a failed step) and leaving the block raises it, so a rule that is never
+    met fails the test instead of hanging it. `submitted` and `aborted` are recorded after the
+    executor has the item in its inbox, so a rule that waits on them sees it applied in time.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        allow: Callable[[ScheduledBatch], bool] | None = None,
+        timeout_s: float = GATE_TIMEOUT_S,
+    ) -> None:
+        self.executor = executor
+        self.allow: Callable[[ScheduledBatch], bool] = allow or (lambda batch: True)
+        self.timeout_s = timeout_s
+        self.submitted: dict[str, Request] = {}  # in the order the executor got them
+        self.aborted: set[str] = set()
+        self.steps: Counter[str] = Counter()  # engine steps each request has taken
+        self.batch_sizes: list[int] = []
+        self.timeouts: list[str] = []
+
+    # -- rules --------------------------------------------------------------------------------
+    def first_steps_only(self, batch: ScheduledBatch) -> bool:
+        """No request in the batch has stepped before (its prefill is the step to take)."""
+        return all(self.steps[item.request_id] == 0 for item in batch.requests)
+
+    def stepped_ones_aborted(self, batch: ScheduledBatch) -> bool:
+        """Every request in the batch that has already stepped has had its abort sent: a
+        request's abort reaches the executor before its second step."""
+        return all(self.steps[i.request_id] == 0 or i.request_id in self.aborted for i in batch.requests)
+
+    # -- installing ---------------------------------------------------------------------------
+    def __enter__(self) -> StepGate:
+        executor = self.executor
+        submit, abort = executor.submit, executor.abort
+
+        def recording_submit(request: Request, *args: Any, **kwargs: Any) -> None:
+            submit(request, *args, **kwargs)
+            self.submitted[request.request_id] = request
+
+        def recording_abort(request_id: str, *args: Any, **kwargs: Any) -> None:
+            abort(request_id, *args, **kwargs)
+            self.aborted.add(request_id)
+
+        executor.submit = recording_submit  # type: ignore[method-assign]
+        executor.abort = recording_abort  # type: ignore[method-assign]
+        executor.step_started_listeners.append(self._before_step)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.allow = lambda batch: True
+        self.executor.step_started_listeners.remove(self._before_step)
+        del self.executor.submit  # the instance attributes set above; the methods show again
+        del self.executor.abort
+        if exc[0] is None:
+            assert not self.timeouts, self.timeouts
+
+    def _before_step(self, batch: ScheduledBatch) -> None:
+        ids = [item.request_id for item in batch.requests]
+        try:
+            wait_until(lambda: self.allow(batch), self.timeout_s, f"the step gate to let {ids} step")
+        except AssertionError as error:
+            self.timeouts.append(str(error))
+            raise
+        self.steps.update(ids)
+        self.batch_sizes.append(len(ids))
