@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
-from greedy_loop import greedy_generate, wait_until
+from greedy_loop import greedy_generate
+from waiting import StepGate, wait_until
 
 from ifb import LLM, SamplingParams
 from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason
+from ifb.runtime.scheduler import ScheduledBatch
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
 
@@ -92,14 +94,17 @@ def test_batched_greedy_equals_alone(name: str, tiny_llama_engine: Path, alone_o
 
 
 def test_request_with_other_params_joins_mid_flight(tiny_llama_engine: Path) -> None:
-    """A sampled request with its own max_tokens joins a running greedy one at the next step."""
-    with LLM(tiny_llama_engine) as llm:
+    """A sampled request with its own max_tokens joins a running greedy one at the next step.
+    The running one's second step waits for the joiner to reach the executor, so the joiner
+    cannot arrive after it has finished."""
+    with LLM(tiny_llama_engine) as llm, StepGate(llm.executor) as gate:
+        gate.allow = lambda batch: gate.first_steps_only(batch) or len(gate.submitted) >= 2
         stream = llm.stream([5, 6, 7], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
         next(stream)
         joined = llm.generate([[9, 10]], SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=3))[0]
         rest = list(stream)
         assert rest[-1].finished and joined.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-        assert llm.stats().counters.admitted_mid_flight >= 1
+        assert llm.stats().counters.admitted_mid_flight == 1
 
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_llama_engine: Path) -> None:
@@ -162,30 +167,31 @@ def test_bad_params_and_limits_raise_admission_errors(tiny_llama_engine: Path) -
 def test_full_server_refuses_without_blocking(tiny_llama_engine: Path) -> None:
     """Beyond max_batch_size + max_queued_requests a non-blocking caller gets QueueFullError;
     aborted requests give their seats and blocks back."""
-    with LLM(tiny_llama_engine, max_batch_size=2, max_queued_requests=1) as llm:
+    with LLM(tiny_llama_engine, max_batch_size=2, max_queued_requests=1) as llm, StepGate(llm.executor) as gate:
+        release = threading.Event()
+        gate.allow = lambda batch: release.is_set()  # no step, so no request can end and free a seat
         params = SamplingParams(max_tokens=250, temperature=0, ignore_eos=True)
         ids = [llm.submit([5, 6], params, lambda o: None) for _ in range(3)]
         with pytest.raises(QueueFullError):
             llm.submit([5], SamplingParams(max_tokens=2), lambda o: None, block=False)
-        wait_until(lambda: llm.stats().counters.refused == 1)  # counted by the executor, between steps
         for request_id in ids:
             llm.abort(request_id)
-        deadline = time.time() + 10
-        while (
-            llm.stats().num_running
-            or llm.stats().num_waiting
-            or llm.stats().counters.cancelled + llm.stats().counters.completed < 3
-        ):
-            assert time.time() < deadline
-            time.sleep(0.01)
-        assert llm.stats().kv.num_used_blocks == 0
+        release.set()
+
+        def settled() -> bool:  # the refusal is counted by the executor, between steps
+            s = llm.stats()
+            return s.counters.refused == 1 and s.counters.cancelled == 3 and not (s.num_running or s.num_waiting)
+
+        wait_until(settled, 30, "the refusal and the 3 aborts counted, nothing running")
+        assert llm.stats().counters.completed == 0 and llm.stats().kv.num_used_blocks == 0
         assert llm.generate([[5]], SamplingParams(max_tokens=2), block=False)[0].finish_reason is not None
 
 
 def test_calls_from_several_threads_share_batches(tiny_llama_engine: Path) -> None:
-    with LLM(tiny_llama_engine) as llm:
-        sizes: list[int] = []
-        llm.executor.step_listeners.append(lambda step: sizes.append(step.num_requests))
+    """Four threads calling generate at once: their requests run in one batch. Steps wait until
+    all four reached the executor, so a thread that starts late cannot miss the others."""
+    with LLM(tiny_llama_engine) as llm, StepGate(llm.executor) as gate:
+        gate.allow = lambda batch: len(gate.submitted) >= 4
         results: dict[int, tuple[int, ...]] = {}
 
         def call(i: int) -> None:
@@ -198,11 +204,12 @@ def test_calls_from_several_threads_share_batches(tiny_llama_engine: Path) -> No
             t.start()
         for t in threads:
             t.join()
+        shared = max(gate.batch_sizes)
         alone = {
             i: llm.generate([[20 + i, 21]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].token_ids
             for i in range(4)
         }
-    assert results == alone and max(sizes) >= 2
+    assert results == alone and shared == 4
 
 
 def test_async_variants_equal_sync(tiny_llama_engine: Path) -> None:
@@ -211,42 +218,67 @@ def test_async_variants_equal_sync(tiny_llama_engine: Path) -> None:
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with LLM(tiny_llama_engine, max_batch_size=2, max_queued_requests=0) as llm:
         expected = llm.generate([[30, 31]], params)[0]
+        turned_away: set[str] = set()  # requests that found the engine full at least once
+        open_streams = llm.channel.open_streams
+
+        def recording_open_streams(prepared, *args, **kwargs):  # type: ignore[no-untyped-def]
+            try:
+                return open_streams(prepared, *args, **kwargs)
+            except QueueFullError:
+                turned_away.update(p.request.request_id for p in prepared)
+                raise
+
+        llm.channel.open_streams = recording_open_streams  # type: ignore[method-assign]
 
         async def main() -> list:
             # 4 concurrent callers on 2 seats and no queue: extra async callers wait, not fail
             return await asyncio.gather(*(llm.agenerate([30, 31], params) for _ in range(4)))
 
-        results = asyncio.run(main())
-        assert llm.stats().counters.refused == 0
+        with StepGate(llm.executor) as gate:  # the seated two wait until the other two were turned away
+            gate.allow = lambda batch: len(turned_away) == 2
+            results = asyncio.run(main())
+        assert llm.stats().counters.refused == 0 and len(turned_away) == 2
     assert all(r.token_ids == expected.token_ids and r.text == expected.text for r in results)
 
 
 def test_aborts_during_steps_finish_each_request_exactly_once(tiny_llama_engine: Path) -> None:
-    """Aborts arriving while a step runs are applied before the update: every request ends with
-    one final delta, aborted ones with `abort` and nothing after it."""
-    with LLM(tiny_llama_engine, max_batch_size=4) as llm:
-        step = llm.engine.step
-
-        def slow_step(inputs):  # type: ignore[no-untyped-def]
-            time.sleep(0.03)
-            return step(inputs)
-
-        llm.engine.step = slow_step  # type: ignore[method-assign]
+    """Aborts arriving while a step runs are applied before the update: the aborted request gets
+    no token from that step, one final `abort` delta and nothing after it; the others run to
+    length. Each abort is sent from the step-started hook (the executor thread, right before
+    engine.step), so it cannot land between steps; without the executor's phase 6 the request
+    would get that step's token before its abort."""
+    with LLM(tiny_llama_engine, max_batch_size=4) as llm, StepGate(llm.executor) as gate:
         finished: list[str] = []
         llm.executor.finish_listeners.append(lambda request: finished.append(request.request_id))
         deltas: dict[str, list[RequestOutput]] = {}
+        targets: list[str] = []
+        deltas_at_abort: dict[str, int] = {}  # deltas a target had got when its abort was sent
+
+        def abort_inside_the_step(batch: ScheduledBatch) -> None:  # deltas are written on this thread too
+            for item in batch.requests:
+                request_id = item.request_id
+                seen = len(deltas.get(request_id, ()))
+                if request_id in targets and request_id not in deltas_at_abort and seen >= 2:
+                    deltas_at_abort[request_id] = seen
+                    llm.abort(request_id)
+
+        gate.allow = lambda batch: len(targets) == 3  # no step before the targets are known
+        llm.executor.step_started_listeners.append(abort_inside_the_step)
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         ids = [
             llm.submit([5, 6, 7 + i], params, lambda o: deltas.setdefault(o.request_id, []).append(o)) for i in range(6)
         ]
-        for request_id in ids[::2]:
-            time.sleep(0.05)  # lands inside some step
-            llm.abort(request_id)
-        wait_until(lambda: len(finished) >= len(ids))
-        time.sleep(0.1)
+        targets.extend(ids[::2])
+        wait_until(lambda: all(deltas[r][-1].finished for r in ids), 60, "every request to end", ignoring=(KeyError,))
+    # leaving the `with` shut the loop down: nothing can arrive after this point
     assert sorted(finished) == sorted(ids)  # each exactly once
+    assert sorted(deltas_at_abort) == sorted(targets), "every abort was sent from inside a step"
     for request_id in ids:
         outputs = deltas[request_id]
         assert [o.finished for o in outputs].count(True) == 1 and outputs[-1].finished
-        expected = FinishReason.ABORT if request_id in ids[::2] else FinishReason.LENGTH
-        assert outputs[-1].finish_reason is expected
+        if request_id in targets:
+            after_abort = outputs[deltas_at_abort[request_id] :]
+            assert len(after_abort) == 1 and after_abort[0].new_token_ids == (), after_abort
+            assert after_abort[0].finish_reason is FinishReason.ABORT
+        else:
+            assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].num_output_tokens == 40
