@@ -1,6 +1,6 @@
-"""RuntimeSettings and ServerSettings: what a user asks of the runtime and its HTTP server, each
-option declared once (default, help, lower bound); RuntimeConfig: the settings checked against
-the engine's baked limits."""
+"""What a user asks of the runtime (RuntimeSettings), its HTTP server (ServerSettings) and its
+replicas on Ray Serve (ServeOptions), each option declared once with its default, help and lower
+bound; RuntimeConfig: the runtime settings checked against the engine's baked limits."""
 
 from __future__ import annotations
 
@@ -102,6 +102,31 @@ class ServerSettings:
     def app_options(self) -> dict[str, Any]:
         """create_app's keywords: every setting but where to listen."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("host", "port")}
+
+
+def _listening(name: str) -> Any:
+    """ServerSettings' field `name` again, set by no flag of its own (`ifb serve` reads --host and
+    --port through ServerSettings, as `ifb run` does)."""
+    spec = next(f for f in fields(ServerSettings) if f.name == name)
+    return field(default=spec.default, metadata={**spec.metadata, "cli": False})
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How `ifb serve` deploys replicas on Ray Serve (ifb/ray_serve/deploy.py). Here, not there:
+    the CLI builds its options from these fields when it is imported, and nothing outside
+    ifb/ray_serve may import that subpackage before `ifb serve` runs."""
+
+    num_replicas: int = option(2, "Engine replicas.", minimum=1, flag="--replicas")
+    threads_per_replica: int = option(
+        1, "Compute threads of each replica (and the CPUs Ray reserves for it).", minimum=1, aliases=("--threads",)
+    )
+    ray_address: str | None = option(None, "Join this Ray cluster (default: start a local instance).")
+    host: str = _listening("host")
+    port: int = _listening("port")
+    stats_period_s: float = option(0.5, "How often replicas report load, health and metrics.", cli=False)
+    health_check_period_s: float = option(1.0, "How often Serve checks each replica.", cli=False)
+    app_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})  # create_app's keywords
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ifb.ray_serve.ingress import IfbIngress
 from ifb.ray_serve.replica import IfbReplica
 from ifb.runtime.engine_format import EngineConfig
-from ifb.runtime.runtime_config import RuntimeSettings, resolve_runtime_config
+from ifb.runtime.runtime_config import RuntimeSettings, ServeOptions, resolve_runtime_config
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +27,8 @@ APP_NAME = "ifb"
 REPLICA_DEPLOYMENT = "ifb-replica"
 INGRESS_DEPLOYMENT = "ifb-ingress"
 ROUTER_CLASS = "ifb.ray_serve.router:PrefixAffinityRouter"
-
-
-@dataclass(frozen=True, slots=True)
-class ServeOptions:
-    num_replicas: int = 2
-    threads_per_replica: int = 1  # torch threads and the CPUs Ray reserves per replica
-    ray_address: str | None = None  # None: start a local Ray instance
-    host: str = "127.0.0.1"
-    port: int = 8000
-    stats_period_s: float = 0.5  # how often replicas report load, health and metrics
-    health_check_period_s: float = 1.0
-    app_options: dict[str, Any] = field(default_factory=dict)  # create_app's keywords
+# ServeOptions lives beside the other settings (Ray-free, so the CLI can build flags from it).
+__all__ = ["ServeOptions", "build_app", "serve_engine", "shutdown", "start_ray"]
 
 
 def build_app(engine: Path, settings: RuntimeSettings, options: ServeOptions) -> Any:
