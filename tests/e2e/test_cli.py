@@ -1,5 +1,6 @@
 """The `ifb` command line: run's grouped --help, vLLM aliases, --version, logging, the chat
-template, engine-folder checks, API key sources and the server wiring (without a socket)."""
+template, engine-folder checks, API key sources, the server wiring (without a socket) and serve's
+(without deploying)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from fastapi.testclient import TestClient
 from ifb import __version__
 from ifb.cli.logging_setup import JsonFormatter, configure_logging
 from ifb.cli.main import cli
-from ifb.cli.run_command import RUN_OPTION_GROUPS, resolve_api_key, run, set_compute_threads
+from ifb.cli.run_command import RUN_OPTION_GROUPS, run, set_compute_threads
+from ifb.cli.serving_options import resolve_api_key
 from ifb.runtime.llm import LLM
 
 MARKER_TEMPLATE = "{% for m in messages %}MARKER {{ m['content'] }} {% endfor %}"
@@ -279,3 +281,63 @@ def test_serve_wires_names_cors_key_and_log_level(tiny_llama_engine: Path, monke
     assert seen["models"] == ["alias-a", "alias-b"]
     assert seen["cors"] == "http://ui.example"
     assert (seen["log_level"], seen["log_config"]) == ("warning", None)
+
+
+def test_serve_builds_with_run_build_options_and_hands_every_setting_on(
+    tiny_llama_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ifb serve SOURCE` builds with the flags' build options (not the defaults), and the replicas
+    get the runtime settings, the Ray options and the server's keywords; nothing is deployed."""
+    pytest.importorskip("ray.serve")
+    import ifb.find_or_build
+    import ifb.ray_serve.deploy
+
+    seen: dict[str, Any] = {}
+
+    def fake_find_or_build(target: Any, options: Any, engines_dir: Path) -> Path:
+        seen["build"] = options
+        return tiny_llama_engine
+
+    def fake_serve_engine(engine: Path, settings: Any, options: Any, blocking: bool = True) -> None:
+        seen.update(engine=engine, settings=settings, options=options)
+
+    monkeypatch.setattr(ifb.find_or_build, "find_or_build_engine", fake_find_or_build)
+    monkeypatch.setattr(ifb.ray_serve.deploy, "serve_engine", fake_serve_engine)
+    monkeypatch.setattr(ifb.ray_serve.deploy, "shutdown", lambda: None)
+    template = tmp_path / "template.jinja"
+    template.write_text(MARKER_TEMPLATE)
+    result = invoke(
+        "serve",
+        str(tmp_path / "some-source"),
+        "--replicas",
+        "3",
+        "--threads",
+        "2",
+        "--max-num-seqs",
+        "32",
+        "--max-model-len",
+        "512",
+        "--calibrate",
+        "--chat-template",
+        str(template),
+        "--served-model-name",
+        "alias-a",
+        "--port",
+        "9001",
+        "--log-format",
+        "json",
+        env={"IFB_API_KEY": "sesame"},
+    )
+    assert result.exit_code == 0, result.output
+    build = seen["build"]
+    assert (build.max_batch_size, build.max_num_tokens, build.max_seq_len) == (32, 512, 512)
+    assert seen["engine"] == tiny_llama_engine.resolve()
+    settings, options = seen["settings"], seen["options"]
+    assert (settings.max_batch_size, settings.calibrate, settings.chat_template) == (32, True, MARKER_TEMPLATE)
+    assert (options.num_replicas, options.threads_per_replica, options.port) == (3, 2, 9001)
+    assert options.app_options == {
+        "served_model_names": ("alias-a",),
+        "api_key": "sesame",
+        "allowed_origins": (),
+        "queue_timeout": None,
+    }
