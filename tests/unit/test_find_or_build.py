@@ -9,42 +9,16 @@ Anything else, and a folder whose engine.json cannot be read as an EngineConfig,
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_records import LIMITS, engine_config
 
 from ifb import find_or_build
 from ifb.builder.build import BuildOptions, build_dtype, build_kv_dtype
 from ifb.builder.sources import resolve_source, source_sha256
-from ifb.runtime.engine_format import (
-    ENGINE_JSON,
-    BackendKind,
-    BuildOptionsRecord,
-    EngineConfig,
-    EngineLimits,
-    EngineSource,
-    ModelSpec,
-)
-
-LIMITS = {"max_batch_size": 4, "max_num_tokens": 64, "max_seq_len": 128}
-SPEC = ModelSpec(
-    architecture="LlamaForCausalLM",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-)
+from ifb.runtime.engine_format import ENGINE_JSON, BackendKind, BuildOptionsRecord, EngineConfig, EngineSource
 
 
 @pytest.fixture
@@ -66,21 +40,11 @@ def engine_for(checkpoint: Path, request: BuildOptions, **changes: Any) -> Engin
     source = resolve_source(checkpoint)
     dtype = build_dtype(request, source)
     kv_dtype = build_kv_dtype(request, dtype)
-    config = EngineConfig(
-        model_name="tiny",
-        spec=SPEC,
-        limits=EngineLimits(**LIMITS, block_size=16, num_kv_blocks=64),
+    recorded: dict[str, Any] = dict(
         dtype=dtype,
         kv_dtype=kv_dtype,
         backend=request.backend,
-        rope_scaling=1.0,
-        step_package="step.pt2",
-        weights="weights.safetensors",
-        tokenizer_folder="tokenizer",
-        has_chat_template=False,
         source=EngineSource(kind="hf_folder", path=str(checkpoint), sha256=source_sha256(source)),
-        build_id="build-1",
-        builder_version="test",
         build_options=BuildOptionsRecord(
             **LIMITS,
             block_size=16,
@@ -93,7 +57,7 @@ def engine_for(checkpoint: Path, request: BuildOptions, **changes: Any) -> Engin
         ),
         weight_compute=find_or_build._compute(source, request),
     )
-    return replace(config, **changes)
+    return engine_config(**{**recorded, **changes})
 
 
 def install(engines: Path, name: str, record: dict[str, Any] | str, built: bool = True) -> Path:
