@@ -21,7 +21,9 @@ K-quants), so HF weights quantized at build time give the bytes llama.cpp's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 import torch
 
@@ -29,22 +31,54 @@ BLOCK_SIZE = 32  # weights of a legacy block, and of each sub-block the kernels 
 SUPER_BLOCK = 256  # weights of a K-quant super-block
 
 
-class WeightFormat(str, Enum):
-    """How a linear layer's weight is stored in an engine."""
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """One GGUF block of a format: its bytes, and the weights it holds along K."""
 
-    Q4_0 = "q4_0"
-    Q4_1 = "q4_1"
-    Q8_0 = "q8_0"
-    Q5_0 = "q5_0"
-    Q5_1 = "q5_1"
-    Q4_K = "q4_k"
-    Q5_K = "q5_k"
-    Q6_K = "q6_k"
+    bytes: int
+    weights: int
+    quantizable: bool = False  # `quantize` writes it from fp32 weights (`ifb build --weights`)
+
+
+class WeightFormat(str, Enum):
+    """How a linear layer's weight is stored in an engine: fp32, or a GGUF block format.
+
+    The one list of block formats, from the builder to the kernels: the value is the name
+    engine.json's weight_formats records and the ifb_quant ops take (their kernel format code),
+    the member name is GGUF's tensor type name, and the layout gives the block's size. Every
+    block format here has a kernel: plugins/csrc/block_format_table.h is generated from this
+    enum (`python -m ifb.plugins.quant_formats`), and quant_kernels.h's Format, its kFormats
+    table and block_formats.h's switch all expand from it. GGUF types without a kernel have no
+    member; the builder dequantizes them to fp32.
+    """
+
+    _value_: str
+    layout: BlockLayout | None  # None for fp32
+
+    def __new__(cls, value: str, layout: BlockLayout | None = None) -> WeightFormat:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.layout = layout
+        return member
+
+    Q4_0 = "q4_0", BlockLayout(18, BLOCK_SIZE, quantizable=True)
+    Q4_1 = "q4_1", BlockLayout(20, BLOCK_SIZE, quantizable=True)
+    Q8_0 = "q8_0", BlockLayout(34, BLOCK_SIZE, quantizable=True)
+    Q5_0 = "q5_0", BlockLayout(22, BLOCK_SIZE)
+    Q5_1 = "q5_1", BlockLayout(24, BLOCK_SIZE)
+    Q4_K = "q4_k", BlockLayout(144, SUPER_BLOCK)
+    Q5_K = "q5_k", BlockLayout(176, SUPER_BLOCK)
+    Q6_K = "q6_k", BlockLayout(210, SUPER_BLOCK)
     FP32 = "fp32"
 
     @property
     def is_block(self) -> bool:
-        return self is not WeightFormat.FP32
+        return self.layout is not None
+
+    @property
+    def quantizable(self) -> bool:
+        """Whether `quantize` writes this format from fp32 weights (a `--weights` choice)."""
+        return self.layout is not None and self.layout.quantizable
 
 
 class WeightCompute(str, Enum):
@@ -60,36 +94,49 @@ class WeightCompute(str, Enum):
     INT8 = "int8"
 
 
-# fmt -> (bytes, weights) of one block; plugins/csrc/quant_kernels.h's kFormats mirrors it.
-_BLOCKS = {
-    WeightFormat.Q4_0: (18, BLOCK_SIZE),
-    WeightFormat.Q4_1: (20, BLOCK_SIZE),
-    WeightFormat.Q8_0: (34, BLOCK_SIZE),
-    WeightFormat.Q5_0: (22, BLOCK_SIZE),
-    WeightFormat.Q5_1: (24, BLOCK_SIZE),
-    WeightFormat.Q4_K: (144, SUPER_BLOCK),
-    WeightFormat.Q5_K: (176, SUPER_BLOCK),
-    WeightFormat.Q6_K: (210, SUPER_BLOCK),
-}
+def _layout(fmt: WeightFormat) -> BlockLayout:
+    if fmt.layout is None:
+        raise ValueError(f"{fmt.value} is not a block format")
+    return fmt.layout
+
+
+# The block formats in the enum's order, which is the kernels' (Format's enumerators).
+BLOCK_FORMATS: tuple[WeightFormat, ...] = tuple(fmt for fmt in WeightFormat if fmt.is_block)
+# What `quantize` writes (the `--weights` block choices), largest blocks (most precise) first.
+QUANTIZE_FORMATS: tuple[WeightFormat, ...] = tuple(
+    sorted((fmt for fmt in BLOCK_FORMATS if fmt.quantizable), key=lambda fmt: -_layout(fmt).bytes)
+)
 
 # GGUF tensor type name -> our format: the block types the kernels read as they are stored.
-GGUF_TYPE_NAMES: dict[str, WeightFormat] = {fmt.name: fmt for fmt in _BLOCKS}
-
-
-def _block(fmt: WeightFormat) -> tuple[int, int]:
-    if fmt not in _BLOCKS:
-        raise ValueError(f"{fmt.value} is not a block format")
-    return _BLOCKS[fmt]
+GGUF_TYPE_NAMES: dict[str, WeightFormat] = {fmt.name: fmt for fmt in BLOCK_FORMATS}
 
 
 def block_bytes(fmt: WeightFormat) -> int:
     """Bytes of one block of `fmt` (22 for Q5_0, 144 for a Q4_K super-block, ...)."""
-    return _block(fmt)[0]
+    return _layout(fmt).bytes
 
 
 def block_weights(fmt: WeightFormat) -> int:
     """Weights per block of `fmt` along K: 32, or 256 for the K-quants."""
-    return _block(fmt)[1]
+    return _layout(fmt).weights
+
+
+def kernel_format_table() -> str:
+    """plugins/csrc/block_format_table.h: the block formats as an X-macro the C++ side expands."""
+    rows = [f'X({fmt.name}, "{fmt.value}", {block_bytes(fmt)}, {block_weights(fmt)})' for fmt in BLOCK_FORMATS]
+    lines = ["#define IFB_BLOCK_FORMATS(X)", *(f"  {row}" for row in rows)]
+    width = max(len(line) for line in lines[:-1])
+    body = "\n".join([*(line.ljust(width) + " \\" for line in lines[:-1]), lines[-1]])
+    return (
+        "// Generated from plugins/quant_formats.py's WeightFormat by `python -m ifb.plugins.quant_formats`:\n"
+        "// do not edit (tests/unit/test_weight_formats.py fails when it differs from the enum).\n"
+        "//\n"
+        "// X(id, name, block bytes, weights per block) for each block format, in the enum's order. The\n"
+        "// name is the enum's value: what engine.json records and the ifb_quant ops' `format` takes.\n"
+        "#pragma once\n"
+        "\n"
+        f"{body}\n"
+    )
 
 
 def _halves(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -137,7 +184,7 @@ def legacy_high_bits(flat: torch.Tensor, offset: int) -> torch.Tensor:
 
 def dequantize(blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
     """uint8 [N, K/block_weights * block_bytes] -> fp32 [N, K], bit-equal to gguf.quants.dequantize."""
-    size, weights_per_block = _block(fmt)
+    size, weights_per_block = block_bytes(fmt), block_weights(fmt)
     rows = blocks.shape[0]
     flat = blocks.reshape(-1, size)
     if fmt in (WeightFormat.Q4_K, WeightFormat.Q5_K):
@@ -209,5 +256,14 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
         q = _roundf(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
         fields = [_fp16_bytes(d), q]
     else:
-        raise ValueError(f"quantize writes Q4_0, Q4_1 and Q8_0 only (GGUF files bring the others), got {fmt.value}")
+        *first, last = (f.name for f in BLOCK_FORMATS if f.quantizable)
+        raise ValueError(
+            f"quantize writes {', '.join(first)} and {last} only (GGUF files bring the others), got {fmt.value}"
+        )
     return torch.cat(fields, dim=1).reshape(rows, -1)
+
+
+if __name__ == "__main__":  # regenerate the kernels' table after changing WeightFormat
+    table = Path(__file__).parent / "csrc" / "block_format_table.h"
+    table.write_text(kernel_format_table())
+    print(f"wrote {table}")

@@ -64,6 +64,10 @@ from ifb.plugins.quant_formats import (
 TILE_COLUMNS = 16
 
 _LIBRARY = torch.library.Library("ifb_quant", "DEF")
+# `str format` is a WeightFormat's value (`kernel_format`), which the C++ side looks up in the
+# table generated from the enum (csrc/block_format_table.h). A string rather than an index: a
+# compiled step package holds these names as literals in its calls to the shims below, and an
+# engine's own kernel library implements this schema, so built engines keep loading.
 _LIBRARY.define("quant_matmul(Tensor x, Tensor packed, str format, int n, int k) -> Tensor")
 _LIBRARY.define("quant_matmul_int8(Tensor x, Tensor packed, str format, int n, int k) -> Tensor")
 _LIBRARY.define(
@@ -139,19 +143,26 @@ def _quant_embedding_fake(
     return packed.new_empty((*ids.shape, k), dtype=torch.float32)
 
 
+def kernel_format(fmt: WeightFormat) -> str:
+    """The ops' `format` argument for `fmt`: its value, the name the kernels' table gives it."""
+    if not fmt.is_block:
+        raise ValueError(f"the ifb_quant kernels read block formats only, not {fmt.value}")
+    return fmt.value
+
+
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """x [..., k] fp32 @ W[n, k]^T with W packed by `pack`; needs the library loaded."""
-    return torch.ops.ifb_quant.quant_matmul(x, packed, fmt.value, n, k)
+    return torch.ops.ifb_quant.quant_matmul(x, packed, kernel_format(fmt), n, k)
 
 
 def quant_linear_int8(x: torch.Tensor, packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """`--compute int8`: x quantized per row and 32-block to int8, W packed by `pack_int8`."""
-    return torch.ops.ifb_quant.quant_matmul_int8(x, packed, fmt.value, n, k)
+    return torch.ops.ifb_quant.quant_matmul_int8(x, packed, kernel_format(fmt), n, k)
 
 
 def kernel_dequantize(packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """The fp32 weights [n, k] as the kernel dequantizes them in registers."""
-    return torch.ops.ifb_quant.quant_dequantize(packed, fmt.value, n, k)
+    return torch.ops.ifb_quant.quant_dequantize(packed, kernel_format(fmt), n, k)
 
 
 def quant_embedding(
@@ -159,7 +170,7 @@ def quant_embedding(
 ) -> torch.Tensor:
     """Rows `ids` of W [n, k] as exact fp32 [*ids.shape, k], read from the tiles `pack` (compute fp32)
     or `pack_int8` (compute int8) made; an id outside [0, n) raises. Needs the library loaded."""
-    return torch.ops.ifb_quant.quant_embedding(ids, packed, fmt.value, WeightCompute(compute).value, n, k)
+    return torch.ops.ifb_quant.quant_embedding(ids, packed, kernel_format(fmt), WeightCompute(compute).value, n, k)
 
 
 def num_tiles(n: int) -> int:

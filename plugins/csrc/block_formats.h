@@ -96,7 +96,8 @@ struct Block {
         high[0] = load_bytes(base + 256 + 320 * sub);
         quants = base + 256 + 320 * sub + 64;
       }
-    } else {  // Q6_K
+    } else {
+      static_assert(F == Format::kQ6_K, "Block<F>: a format of block_format_table.h without a decoder");
       for (int h = 0; h < 2; ++h) {
         int_scale[h] = bytes_signed(base + 32 + 16 * (2 * sub + h));
         scale[h] = mul(d, to_float(int_scale[h]));
@@ -175,18 +176,17 @@ struct Block {
   }
 };
 
-// Calls fn(std::integral_constant<Format, F>{}) for the runtime `format`: the one switch over formats.
+// Calls fn(std::integral_constant<Format, F>{}) for the runtime `format`: the one switch over formats,
+// a case per entry of block_format_table.h.
 template <typename Fn>
 inline void with_format(Format format, Fn&& fn) {
   switch (format) {
-    case Format::kQ4_0: fn(std::integral_constant<Format, Format::kQ4_0>{}); break;
-    case Format::kQ4_1: fn(std::integral_constant<Format, Format::kQ4_1>{}); break;
-    case Format::kQ8_0: fn(std::integral_constant<Format, Format::kQ8_0>{}); break;
-    case Format::kQ5_0: fn(std::integral_constant<Format, Format::kQ5_0>{}); break;
-    case Format::kQ5_1: fn(std::integral_constant<Format, Format::kQ5_1>{}); break;
-    case Format::kQ4_K: fn(std::integral_constant<Format, Format::kQ4_K>{}); break;
-    case Format::kQ5_K: fn(std::integral_constant<Format, Format::kQ5_K>{}); break;
-    case Format::kQ6_K: fn(std::integral_constant<Format, Format::kQ6_K>{}); break;
+#define IFB_FORMAT_CASE(id, name, bytes, weights)        \
+  case Format::k##id:                                    \
+    fn(std::integral_constant<Format, Format::k##id>{}); \
+    break;
+    IFB_BLOCK_FORMATS(IFB_FORMAT_CASE)
+#undef IFB_FORMAT_CASE
   }
 }
 

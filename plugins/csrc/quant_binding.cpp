@@ -23,7 +23,7 @@
 namespace ifb_quant {
 namespace {
 
-// The names are the values of plugins/quant_formats.py's WeightFormat, listed once in kFormats.
+// The names are the values of plugins/quant_formats.py's WeightFormat (block_format_table.h, expanded into kFormats).
 Format parse_format(c10::string_view name) {
   std::string known;
   for (const FormatInfo& info : kFormats) {

@@ -6,12 +6,20 @@
 
 #include <cstdint>
 
+#include "block_format_table.h"
+
 namespace ifb_quant {
 
-enum class Format : int32_t { kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
+// The block formats: one enumerator per entry of block_format_table.h (kQ4_0, ...), in its order.
+enum class Format : int32_t {
+#define IFB_FORMAT_ENUMERATOR(id, name, bytes, weights) k##id,
+  IFB_BLOCK_FORMATS(IFB_FORMAT_ENUMERATOR)
+#undef IFB_FORMAT_ENUMERATOR
+};
 
-// The one table of block formats: the name the Python enum's value spells, GGUF block bytes and
-// weights per block along K.
+// The one table of block formats, expanded from block_format_table.h (generated from
+// plugins/quant_formats.py's WeightFormat): the name the enum's value spells, GGUF block bytes
+// and weights per block along K.
 struct FormatInfo {
   const char* name;
   Format format;
@@ -19,9 +27,9 @@ struct FormatInfo {
   int64_t weights;
 };
 constexpr FormatInfo kFormats[] = {
-    {"q4_0", Format::kQ4_0, 18, 32},   {"q4_1", Format::kQ4_1, 20, 32},   {"q8_0", Format::kQ8_0, 34, 32},
-    {"q5_0", Format::kQ5_0, 22, 32},   {"q5_1", Format::kQ5_1, 24, 32},   {"q4_k", Format::kQ4_K, 144, 256},
-    {"q5_k", Format::kQ5_K, 176, 256}, {"q6_k", Format::kQ6_K, 210, 256},
+#define IFB_FORMAT_INFO(id, name, bytes, weights) {name, Format::k##id, bytes, weights},
+    IFB_BLOCK_FORMATS(IFB_FORMAT_INFO)
+#undef IFB_FORMAT_INFO
 };
 constexpr const FormatInfo& format_info(Format format) { return kFormats[static_cast<int32_t>(format)]; }
 

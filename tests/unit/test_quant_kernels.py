@@ -8,6 +8,7 @@ build gives the AVX-512 build's exact bits; a CPU lacking a feature is refused i
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from ifb.plugins.quant_build import (
     cpu_features,
     load_quant_library,
 )
-from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
+from ifb.plugins.quant_formats import BLOCK_FORMATS, WeightFormat, block_weights, dequantize, quantize
 
 FORMATS = [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0]
 _GGUF_TYPE = {
@@ -196,3 +197,17 @@ def test_bad_packed_size_is_rejected(quant_library: QuantLibrary) -> None:
     packed = quant_ops.pack(random_blocks(16, 64, WeightFormat.Q8_0, seed=10), WeightFormat.Q8_0, 16, 64)
     with pytest.raises(RuntimeError, match="expected"):
         quant_ops.quant_linear(random_x(1, 64, seed=0), packed, WeightFormat.Q8_0, 32, 64)
+
+
+def test_the_library_knows_every_format_of_the_enum_by_its_value(quant_library: QuantLibrary) -> None:
+    """The compiled table (block_format_table.h, generated from WeightFormat) has each block
+    format's name, block bytes and weights: packed tiles of every format pass the library's size
+    check and dequantize, and an unknown name is refused with the enum's values in its order."""
+    for fmt in BLOCK_FORMATS:
+        n, k = 17, 2 * block_weights(fmt)
+        blocks = random_blocks(n, k, fmt, seed=11)
+        weights = quant_ops.kernel_dequantize(quant_ops.pack(blocks, fmt, n, k), fmt, n, k)
+        np.testing.assert_array_equal(bits(weights), bits(dequantize(blocks, fmt)))
+    known = ", ".join(fmt.value for fmt in BLOCK_FORMATS)
+    with pytest.raises(RuntimeError, match=re.escape(f"unknown block format 'fp32' ({known})")):
+        torch.ops.ifb_quant.quant_dequantize(torch.zeros(16 * 34, dtype=torch.uint8), "fp32", 1, 32)
