@@ -12,11 +12,12 @@ from ifb.builder.errors import BuildError
 from ifb.builder.gguf_tensors import gguf_tensor_types
 from ifb.builder.sources import ModelSource, SourceKind
 from ifb.plugins.quant_build import QuantIsa, QuantLibraryError, best_isa, cpu_features
-from ifb.plugins.quant_formats import GGUF_TYPE_NAMES, WeightCompute
+from ifb.plugins.quant_formats import GGUF_TYPE_NAMES, QUANTIZE_FORMATS, WeightCompute, WeightFormat
 from ifb.runtime.engine_format import BackendKind
 
-WEIGHT_CHOICES = ("auto", "fp32", "q8_0", "q4_1", "q4_0")
-BLOCK_CHOICES = ("q8_0", "q4_1", "q4_0")
+# `--weights`: the block formats the builder quantizes a source to come from the enum (q8_0, q4_1, q4_0).
+BLOCK_CHOICES: tuple[str, ...] = tuple(fmt.value for fmt in QUANTIZE_FORMATS)
+WEIGHT_CHOICES: tuple[str, ...] = ("auto", WeightFormat.FP32.value, *BLOCK_CHOICES)
 AUTO_COMPUTE = "auto"
 COMPUTE_CHOICES = (AUTO_COMPUTE, *(mode.value for mode in WeightCompute))
 # The kernel paths on which int8 compute beat the exact mode when measured (bench/README.md):
@@ -55,7 +56,7 @@ def resolve_compute(compute: str, has_blocks: bool) -> WeightCompute:
     if mode is WeightCompute.INT8 and not has_blocks:
         raise BuildError(
             "--compute int8 needs block-quantized weights: build a GGUF source holding block-quantized tensors "
-            "with --weights auto, or quantize with --weights q8_0|q4_1|q4_0"
+            f"with --weights auto, or quantize with --weights {'|'.join(BLOCK_CHOICES)}"
         )
     return mode
 
