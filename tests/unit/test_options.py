@@ -14,7 +14,7 @@ import pytest
 from ifb.builder.build import BuildOptions
 from ifb.cli.build_command import build
 from ifb.cli.run_command import run
-from ifb.cli.serve_command import serve
+from ifb.cli.serve_command import SERVE_OPTION_GROUPS, serve
 from ifb.cli.serving_options import build_options_for, runtime_settings, server_settings
 from ifb.runtime.engine_format import BuildOptionsRecord
 from ifb.runtime.errors import LimitExceededError
@@ -53,6 +53,11 @@ def test_serve_accepts_every_run_option_that_applies_to_a_replica() -> None:
     assert "--threads" in flags_of(serve) and "--calibrate" in flags_of(serve)
 
 
+def test_every_serve_option_is_filed_under_a_heading() -> None:
+    grouped = {name for names in SERVE_OPTION_GROUPS.values() for name in names}
+    assert set(options_of(serve)) - grouped == set()  # --help is added at parse time, not a param
+
+
 def test_serve_help_lists_every_applicable_run_option() -> None:
     text = serve.get_help(click.Context(serve, info_name="serve"))
     for name, option in options_of(run).items():
@@ -73,7 +78,7 @@ def test_flags_take_default_and_help_from_the_fields(command: click.Command, cla
     for cls in classes:
         for spec in cli_fields(cls):
             option = options[spec.name]
-            default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default  # type: ignore[misc]
+            default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
             assert option.default == plain(default) or (option.multiple and tuple(option.default or ()) == default)
             assert option.help == spec.metadata["help"], spec.name
 
