@@ -79,10 +79,15 @@ class StepGate:
         """No request in the batch has stepped before (its prefill is the step to take)."""
         return all(self.steps[item.request_id] == 0 for item in batch.requests)
 
-    def stepped_ones_aborted(self, batch: ScheduledBatch) -> bool:
-        """Every request in the batch that has already stepped has had its abort sent: a
-        request's abort reaches the executor before its second step."""
-        return all(self.steps[i.request_id] == 0 or i.request_id in self.aborted for i in batch.requests)
+    def newcomer_or_aborted(self, batch: ScheduledBatch) -> bool:
+        """The batch takes some request's first step, or every request in it that has stepped
+        before has had its abort sent. A started request then moves on only beside a newcomer's
+        first step until its abort reaches the executor: it cannot finish before its client goes.
+        (A request submitted while a step is held joins the batch after that one.)"""
+        steps = [self.steps[item.request_id] for item in batch.requests]
+        return 0 in steps or all(
+            n == 0 or item.request_id in self.aborted for n, item in zip(steps, batch.requests, strict=True)
+        )
 
     # -- installing ---------------------------------------------------------------------------
     def __enter__(self) -> StepGate:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -13,8 +14,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import running_server
+from waiting import StepGate, wait_until
 
 from ifb import LLM, SamplingParams
+from ifb.runtime.scheduler import ScheduledBatch
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +28,17 @@ def server(tiny_llama_engine: Path) -> Iterator[tuple[str, LLM]]:
     llm.close()
 
 
-def wait_idle(base: str) -> dict:
-    deadline = time.time() + 20
-    while True:
+def wait_idle(base: str, ended: int = 0) -> dict:
+    """/health once nothing is resident or queued and at least `ended` requests have ended
+    (completed, cancelled or failed) in total."""
+
+    def idle() -> dict | None:
         health = httpx.get(base + "/health").json()
-        if health["scheduling"]["resident"] == 0 and health["scheduling"]["queued"] == 0:
-            return health
-        assert time.time() < deadline, health
-        time.sleep(0.02)
+        s = health["scheduling"]
+        done = s["completed"] + s["cancelled"] + s["failed"]
+        return health if s["resident"] == 0 and s["queued"] == 0 and done >= ended else None
+
+    return wait_until(idle, 30, "an idle server")
 
 
 def test_streaming_equals_non_streaming_equals_python_api(server: tuple[str, LLM]) -> None:
@@ -58,7 +64,9 @@ def test_streaming_equals_non_streaming_equals_python_api(server: tuple[str, LLM
 
 
 def test_concurrent_clients_share_batches(server: tuple[str, LLM]) -> None:
-    base, _ = server
+    """Three clients arriving while a first one runs join its batch mid-flight: the first one's
+    second step waits until all four reached the executor."""
+    base, llm = server
     before = httpx.get(base + "/health").json()["scheduling"]["admitted_mid_flight"]
     results = []
 
@@ -71,32 +79,27 @@ def test_concurrent_clients_share_batches(server: tuple[str, LLM]) -> None:
         results.append(r.status_code)
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-    for i, t in enumerate(threads):
-        t.start()
-        time.sleep(0.01 * i)
-    for t in threads:
-        t.join()
-    assert results == [200] * 4
-    assert httpx.get(base + "/health").json()["scheduling"]["admitted_mid_flight"] > before
-
-
-def slow_down(llm: LLM, seconds: float) -> None:
-    """Make every real engine step take at least `seconds`, so requests stay in flight."""
-    step = llm.engine.step
-
-    def slow_step(inputs):  # type: ignore[no-untyped-def]
-        time.sleep(seconds)
-        return step(inputs)
-
-    llm.engine.step = slow_step  # type: ignore[method-assign]
+    with StepGate(llm.executor) as gate:
+        gate.allow = lambda batch: gate.first_steps_only(batch) or len(gate.submitted) >= 4
+        threads[0].start()
+        wait_until(lambda: gate.steps, 30, "the first request's first step")
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results == [200] * 4 and max(gate.batch_sizes) == 4
+    assert httpx.get(base + "/health").json()["scheduling"]["admitted_mid_flight"] == before + 3
 
 
 def test_429_at_the_exact_limit_and_disconnect_frees_everything(tiny_llama_engine: Path) -> None:
-    """2 seats + 2 queue slots: 4 held streams fill the server, the 5th gets 429 at once;
-    disconnecting all 4 returns every seat and block by the next steps."""
+    """2 seats + 2 queue slots: 4 held streams fill the server and the 5th gets 429 without waiting
+    for a seat (none can free: a started request moves on only beside a newcomer's first step until
+    its client has gone); disconnecting all 4 cancels each of them and returns every seat and block."""
     llm = LLM(tiny_llama_engine, max_batch_size=2, max_queued_requests=2)
-    slow_down(llm, 0.02)
-    with running_server(llm) as base:
+    with running_server(llm) as base, StepGate(llm.executor) as gate:
+        # the two seated ones start together (the first waits for the second), then run on only
+        # once their clients have gone
+        gate.allow = lambda batch: len(gate.submitted) >= 2 and gate.newcomer_or_aborted(batch)
         body = {"prompt": [7, 8], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
         clients = [httpx.Client(timeout=30) for _ in range(4)]
 
@@ -106,37 +109,44 @@ def test_429_at_the_exact_limit_and_disconnect_frees_everything(tiny_llama_engin
             except httpx.HTTPError:
                 pass  # closed by the test on purpose
 
-        opened = [threading.Thread(target=post_quietly, args=(c,)) for c in clients[2:]]
+        opened = [threading.Thread(target=post_quietly, args=(c,), daemon=True) for c in clients[2:]]
         streams = [c.stream("POST", base + "/v1/completions", json=body) for c in clients[:2]]
-        responses = [s.__enter__() for s in streams]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # headers come with the first token
+            responses = list(pool.map(lambda s: s.__enter__(), streams))
         for t in opened:  # the queued two: their headers come only once they get a seat
-            t.daemon = True
             t.start()
-        deadline = time.time() + 10
-        while httpx.get(base + "/health").json()["scheduling"]["queued"] < 2:
-            assert time.time() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: len(gate.submitted) == 4, 30, "4 requests inside the engine")
         try:
             assert all(r.status_code == 200 for r in responses)
-            started = time.time()
-            refused = httpx.post(base + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
+            refused = httpx.post(base + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=30)
             assert refused.status_code == 429 and 1 <= int(refused.headers["retry-after"]) <= 60
-            assert "full" in refused.json()["error"]["message"] and time.time() - started < 1
+            assert "full" in refused.json()["error"]["message"]
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
             for c in clients:
                 c.close()
-        health = wait_idle(base)
+        health = wait_idle(base, ended=4)
         assert health["kv_cache"]["kv_blocks_used"] == 0
         assert health["scheduling"]["cancelled"] == 4 and health["scheduling"]["refused"] == 1
+        assert health["scheduling"]["completed"] == 0
     llm.close()
 
 
+QUEUE_TIMEOUT_S = 0.3
+
+
 def test_queue_timeout_returns_429(tiny_llama_engine: Path) -> None:
+    """One seat, held: a request that waits in the queue past the timeout gets a 429. The holder's
+    steps wait until the late request has waited that long, so the seat cannot free first."""
     llm = LLM(tiny_llama_engine, max_batch_size=1, max_queued_requests=2)
-    slow_down(llm, 0.01)
-    with running_server(llm, queue_timeout=0.3) as base:
+    with running_server(llm, queue_timeout=QUEUE_TIMEOUT_S) as base, StepGate(llm.executor) as gate:
+
+        def late_one_waited_out(batch: ScheduledBatch) -> bool:
+            arrivals = [r.times.arrival for r in gate.submitted.values()][1:]
+            return bool(arrivals) and time.perf_counter() - arrivals[0] > QUEUE_TIMEOUT_S
+
+        gate.allow = lambda batch: gate.first_steps_only(batch) or late_one_waited_out(batch)
         with (
             httpx.Client(timeout=30) as holder,
             holder.stream(
@@ -147,19 +157,24 @@ def test_queue_timeout_returns_429(tiny_llama_engine: Path) -> None:
         ):
             lines = held.iter_lines()  # keep the iterator: dropping it closes the stream
             next(lines)
-            started = time.time()
             late = httpx.post(base + "/v1/completions", json={"prompt": [6], "max_tokens": 3}, timeout=30)
             assert late.status_code == 429 and "queue timeout" in late.json()["error"]["message"]
-            assert time.time() - started < 5
-        wait_idle(base)
+        health = wait_idle(base, ended=1)  # the holder, cancelled when its stream closed
+        assert health["scheduling"]["refused"] == 1 and health["scheduling"]["cancelled"] == 1
     llm.close()
 
 
 def test_queue_timeout_times_the_queue_not_the_first_token(tiny_llama_engine: Path) -> None:
-    """Admitted at once but slow to its first token (a long prefill): not a 429."""
+    """Admitted at once but slow to its first token (its first step waits until the request is
+    older than the queue timeout, like a long prefill): not a 429."""
     llm = LLM(tiny_llama_engine, max_batch_size=2)
-    slow_down(llm, 0.6)
-    with running_server(llm, queue_timeout=0.2) as base:
+    with running_server(llm, queue_timeout=0.2) as base, StepGate(llm.executor) as gate:
+
+        def older_than_the_timeout(batch: ScheduledBatch) -> bool:
+            requests = [gate.submitted.get(item.request_id) for item in batch.requests]
+            return all(r is not None and time.perf_counter() - r.times.arrival > 0.2 for r in requests)
+
+        gate.allow = older_than_the_timeout
         response = httpx.post(base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
     llm.close()
@@ -258,13 +273,18 @@ def test_health_is_503_when_the_executor_is_dead(tiny_llama_engine: Path) -> Non
 
 
 def test_non_streaming_disconnect_cancels_inside_the_engine(tiny_llama_engine: Path) -> None:
+    """A non-streaming client that gives up: its request is cancelled inside the engine. The
+    request takes no second step before its abort arrives, so it cannot finish first."""
     llm = LLM(tiny_llama_engine)
-    slow_down(llm, 0.02)
-    with running_server(llm) as base:
-        with pytest.raises(httpx.ReadTimeout):
+    with running_server(llm) as base, StepGate(llm.executor) as gate:
+        gate.allow = gate.newcomer_or_aborted
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up: no response can come
             httpx.post(
-                base + "/v1/completions", json={"prompt": [5], "max_tokens": 240, "ignore_eos": True}, timeout=0.5
+                base + "/v1/completions",
+                json={"prompt": [5], "max_tokens": 240, "ignore_eos": True},
+                timeout=httpx.Timeout(30, read=0.5),
             )
-        health = wait_idle(base)
-        assert health["scheduling"]["cancelled"] == 1 and health["kv_cache"]["kv_blocks_used"] == 0
+        health = wait_idle(base, ended=1)
+        assert health["scheduling"]["cancelled"] == 1 and health["scheduling"]["completed"] == 0
+        assert health["kv_cache"]["kv_blocks_used"] == 0
     llm.close()
