@@ -6,7 +6,9 @@
     7 output processor (text, stop strings, grammar) 8 scheduler.update: the one finish
     9 push deltas to each request's sink; publish the snapshot
 
-Only this thread touches the scheduler, the KV manager, requests and their sampling state. An
+Only this thread touches the scheduler, the KV manager and the requests. Each request's state
+is one LiveRequest (live_request.py) in `_live`, created when it arrives (`_apply`) and dropped
+with its final delta (`_deliver`), the one place a request leaves the executor. An
 exception inside a step fails that step's requests (finish reason `error`) and the loop goes on.
 
 The engine is created on this thread too: once another thread has run OpenMP work, libgomp
@@ -31,6 +33,7 @@ import torch
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth, GuidedUsage, KvUsage
 from ifb.runtime.engine_threads import run_on_engine_thread
 from ifb.runtime.guided import fill_bitmask
+from ifb.runtime.live_request import LiveRequest, Sink
 from ifb.runtime.output_processor import OutputProcessor
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason, Request
@@ -42,7 +45,6 @@ from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[RequestOutput], None]
 StepListener = Callable[["StepRecord"], None]
 StepStartedListener = Callable[[ScheduledBatch], None]
 _SUMMARY_INTERVAL_S = 5.0
@@ -93,8 +95,7 @@ class Executor:
         self.sampler = sampler or Sampler()
         self.outputs = OutputProcessor(tokenizer)
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Refused | None] = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}
-        self._states: dict[str, SamplingState] = {}
+        self._live: dict[str, LiveRequest] = {}  # every request not yet finished, by id
         self._stopping = threading.Event()
         self._loop: Future[None] | None = None
         self._step_started: float | None = None
@@ -190,16 +191,15 @@ class Executor:
     def _apply(self, item: _Add | _Abort | _Refused) -> None:
         if isinstance(item, _Add):
             request = item.request
-            self._sinks[request.request_id] = item.sink
-            self._states[request.request_id] = SamplingState.create(request.params.seed, item.compiled_grammar)
-            self.outputs.add(request)
+            sampling = SamplingState.create(request.params.seed, item.compiled_grammar)
+            self._live[request.request_id] = LiveRequest(request, sampling, self.outputs.detokenizer(request), item.sink)
             self.scheduler.add(request)
             if item.compiled_grammar is not None:
                 self._count_guided(item.grammar_compile_s)
         elif isinstance(item, _Abort):
-            request = self.scheduler.abort(item.request_id)
-            if request is not None:
-                self._deliver(request, self.outputs.final_output(request))
+            live = self._live.get(item.request_id)
+            if live is not None and self.scheduler.abort(live.request):
+                self._deliver(live, self.outputs.final_output(live))
         else:
             self.scheduler.stats.refused += 1
 
@@ -208,7 +208,8 @@ class Executor:
         if timeout is None:
             return
         for request in self.scheduler.expire_waiting(time.perf_counter() - timeout):
-            self._deliver(request, self.outputs.final_output(request))
+            live = self._live[request.request_id]
+            self._deliver(live, self.outputs.final_output(live))
 
     def _count_guided(self, seconds: float) -> None:
         g = self._guided
@@ -218,12 +219,9 @@ class Executor:
 
     def _step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
-        requests = [self.scheduler.requests[item.request_id] for item in batch.requests]
-        rows = [
-            SamplingRow(r, self._states[r.request_id])
-            for r, item in zip(requests, batch.requests, strict=True)
-            if item.sample
-        ]
+        requests = [item.request for item in batch.requests]
+        sampling = [self._live[item.request_id] for item in batch.requests if item.sample]
+        rows = [SamplingRow(live.request, live.sampling) for live in sampling]
         try:
             logits, bitmask = self._run_engine(batch, requests, rows)
         except Exception as error:
@@ -234,15 +232,15 @@ class Executor:
             return
         samples = self._sample(logits, rows, bitmask) if rows else []
         self._take_inbox(block=False)  # aborts that arrived during the step, before the update
-        live = [(row, sample) for row, sample in zip(rows, samples, strict=True) if not row.request.state.is_finished]
-        sampled = {row.request.request_id: sample.token_id for row, sample in live}
-        logprobs = {row.request.request_id: sample.logprob for row, sample in live}
-        stops = self.outputs.process((row.request, sample.token_id, row.state) for row, sample in live)
-        produced = self.scheduler.update(batch, sampled, stops)
-        outputs = [self.outputs.token_output(r, sampled[r.request_id], logprobs[r.request_id]) for r in produced]
+        kept = [(live, s) for live, s in zip(sampling, samples, strict=True) if not live.request.state.is_finished]
+        sampled = {live.request_id: s.token_id for live, s in kept}
+        logprobs = {live.request_id: s.logprob for live, s in kept}
+        stops = self.outputs.process((live, s.token_id) for live, s in kept)
+        produced = [self._live[r.request_id] for r in self.scheduler.update(batch, sampled, stops)]
+        outputs = [self.outputs.token_output(p, sampled[p.request_id], logprobs[p.request_id]) for p in produced]
         self._publish()  # before the deltas: a caller that saw its last token sees it counted too
-        for request, output in zip(produced, outputs, strict=True):
-            self._deliver(request, output)
+        for live, output in zip(produced, outputs, strict=True):
+            self._deliver(live, output)
         self._tokens_since_summary += len(sampled)
         if batch.predicted_ms is not None:
             measured_ms = (time.perf_counter() - start) * 1e3
@@ -295,21 +293,18 @@ class Executor:
 
     def _fail(self, request: Request, error: str) -> None:
         self.scheduler.finish(request, FinishReason.ERROR, error=error)
-        self._deliver(request, self.outputs.final_output(request))
+        live = self._live[request.request_id]
+        self._deliver(live, self.outputs.final_output(live))
 
-    def _deliver(self, request: Request, output: RequestOutput) -> None:
-        sink = self._sinks.get(request.request_id)
-        if output.finished:
-            self._sinks.pop(request.request_id, None)
-            self._states.pop(request.request_id, None)
-            self.outputs.remove(request.request_id)
+    def _deliver(self, live: LiveRequest, output: RequestOutput) -> None:
+        if output.finished:  # the one place a request's state is dropped
+            del self._live[live.request_id]
             for listener in self.finish_listeners:
-                listener(request)
-        if sink is not None:
-            try:
-                sink(output)
-            except Exception:  # a broken consumer must not take the loop down
-                logger.exception("output sink of %s failed", request.request_id)
+                listener(live.request)
+        try:
+            live.sink(output)
+        except Exception:  # a broken consumer must not take the loop down
+            logger.exception("output sink of %s failed", live.request_id)
 
     def _publish(self) -> None:
         """Replace the snapshot whole: readers on other threads see one consistent value."""
@@ -332,7 +327,6 @@ class Executor:
     def _record(self, batch: ScheduledBatch, start: float) -> None:
         if not self.step_listeners:
             return
-        requests = self.scheduler.requests
         record = StepRecord(
             start=start,
             end=time.perf_counter(),
@@ -343,7 +337,7 @@ class Executor:
                 item.request_id
                 for item in batch.requests
                 if item.num_new_tokens > 1
-                or (item.request_id in requests and requests[item.request_id].num_output_tokens == 0)
+                or (not item.request.state.is_finished and item.request.num_output_tokens == 0)
             ),
             num_used_blocks=self.scheduler.kv.num_used_blocks,
             predicted_ms=batch.predicted_ms,
@@ -368,6 +362,6 @@ class Executor:
 
     def _finish_all(self, reason: FinishReason) -> None:
         error = "server shutting down" if reason is FinishReason.ABORT else f"the step loop died: {self._fatal_error}"
-        for request in list(self.scheduler.requests.values()):
-            self.scheduler.finish(request, reason, error=error)
-            self._deliver(request, self.outputs.final_output(request))
+        for live in list(self._live.values()):
+            self.scheduler.finish(live.request, reason, error=error)
+            self._deliver(live, self.outputs.final_output(live))

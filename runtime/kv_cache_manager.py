@@ -35,8 +35,6 @@ class KVCacheManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
-        self._hashes: dict[str, list[bytes]] = {}  # request_id -> hash chain of its full blocks
-        self._num_published: dict[str, int] = {}
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -65,7 +63,7 @@ class KVCacheManager:
 
     # -- prefix reuse -------------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
-        chain = self._hashes.setdefault(request.request_id, [])
+        chain = request.block_hashes
         if len(chain) < num_full_blocks:
             parent = chain[-1] if chain else ROOT_KEY
             salt = request.params.cache_salt
@@ -97,7 +95,7 @@ class KVCacheManager:
         hit_tokens = len(prefix_block_ids) * self.block_size
         request.num_computed_tokens = hit_tokens
         request.num_prefix_hit_tokens = hit_tokens
-        self._num_published[request.request_id] = len(prefix_block_ids)
+        request.num_published_blocks = len(prefix_block_ids)
         self.prefix_queried_tokens += request.num_tokens
         self.prefix_hit_tokens += hit_tokens
 
@@ -106,7 +104,7 @@ class KVCacheManager:
         if not self.enable_prefix_reuse:
             return
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        done = self._num_published.get(request.request_id, 0)
+        done = request.num_published_blocks
         if full <= done:
             return
         hashes = self._block_hashes(request, full)
@@ -115,7 +113,7 @@ class KVCacheManager:
             if block.block_hash is None and hashes[index] not in self._cached:
                 block.block_hash = hashes[index]
                 self._cached[hashes[index]] = block.block_id
-        self._num_published[request.request_id] = full
+        request.num_published_blocks = full
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
@@ -135,11 +133,7 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         request.block_ids = []
-        self._num_published.pop(request.request_id, None)
-
-    def forget(self, request: Request) -> None:
-        """Drop per-request bookkeeping once the request is finished for good."""
-        self._hashes.pop(request.request_id, None)
+        request.num_published_blocks = 0
 
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -9,35 +9,30 @@ from collections.abc import Iterable
 from typing import Any
 
 from ifb.runtime.detokenizer import IncrementalDetokenizer
+from ifb.runtime.live_request import LiveRequest
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
 from ifb.runtime.request import FinishReason, Request, Stop
-from ifb.runtime.sampling_state import SamplingState
 
 
 class OutputProcessor:
-    """Owns each running request's detokenizer; reads (never owns) its grammar matcher."""
+    """Advances each live request's detokenizer and reads (never owns) its grammar matcher."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
-    def add(self, request: Request) -> None:
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self._tokenizer, request.token_ids, request.params.stop
-        )
+    def detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        """A new request's detokenizer (its LiveRequest holds it)."""
+        return IncrementalDetokenizer(self._tokenizer, request.token_ids, request.params.stop)
 
-    def remove(self, request_id: str) -> None:
-        self._detokenizers.pop(request_id, None)
-
-    def process(self, sampled: Iterable[tuple[Request, int, SamplingState]]) -> dict[str, Stop]:
+    def process(self, sampled: Iterable[tuple[LiveRequest, int]]) -> dict[str, Stop]:
         """Detokenize and advance the grammar for each sampled token; the stops they imply."""
         stops: dict[str, Stop] = {}
-        for request, token, state in sampled:
-            detok = self._detokenizers[request.request_id]
+        for live, token in sampled:
+            request, detok = live.request, live.detokenizer
             detok.push([token])
             if detok.stopped:
                 stops[request.request_id] = Stop(FinishReason.STOP)
-            matcher = state.grammar_matcher
+            matcher = live.sampling.grammar_matcher
             if matcher is None or matcher.is_terminated():
                 continue
             if not matcher.accept_token(token):  # the mask forbids this: an internal fault, said so
@@ -48,12 +43,13 @@ class OutputProcessor:
                 stops.setdefault(request.request_id, Stop(FinishReason.STOP))  # the constraint is complete
         return stops
 
-    def token_output(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def token_output(self, live: LiveRequest, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        request = live.request
         final = request.state.is_finished
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=(token,),
-            new_text=self._detokenizers[request.request_id].take(final),
+            new_text=live.detokenizer.take(final),
             finished=final,
             finish_reason=request.finish_reason,
             logprobs=(logprob,) if logprob is not None else (),
@@ -64,13 +60,13 @@ class OutputProcessor:
             **(_timings(request) if final else {}),
         )
 
-    def final_output(self, request: Request) -> RequestOutput:
+    def final_output(self, live: LiveRequest) -> RequestOutput:
         """The end of a request that finished outside a token (abort, error, shutdown)."""
-        detok = self._detokenizers.get(request.request_id)
+        request = live.request
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=(),
-            new_text=detok.take(True) if detok else "",
+            new_text=live.detokenizer.take(True),
             finished=True,
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,

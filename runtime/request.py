@@ -1,5 +1,6 @@
 """Request: one generation's scheduling state, owned by the executor thread. Torch-free: the
-sampling state (generator, grammar matcher) lives beside it in the executor."""
+executor's LiveRequest (live_request.py) holds it beside the sampling state, the detokenizer
+and the caller's sink."""
 
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ class Request:
     num_preemptions: int = 0
     was_admitted_mid_flight: bool = False
     timed_out_in_queue: bool = False  # never admitted within the queue timeout: a 429, not an abort
+    # The prefix cache's view (kv_cache_manager.py): the hash chain of the full blocks hashed so
+    # far (kept across preemption: the tokens do not change), and how many blocks are published.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -32,9 +32,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    request_id: str
+    request: Request
     num_new_tokens: int
     sample: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,22 +78,24 @@ class Scheduler:
         self.step_budget = step_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._clock = clock
 
     # -- inbox ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self.requests[request.request_id] = request
         self.waiting.append(request)
         self.stats.submitted += 1
 
-    def abort(self, request_id: str) -> Request | None:
-        request = self.requests.get(request_id)
-        if request is None or request.state.is_finished:
-            return None
+    def abort(self, request: Request) -> bool:
+        """Finish a request the caller gave up on; False if it had finished already."""
+        if request.state.is_finished:
+            return False
         self.finish(request, FinishReason.ABORT)
-        return request
+        return True
+
+    @property
+    def live_requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]
 
     @property
     def has_work(self) -> bool:
@@ -99,16 +105,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         num_running_at_start = len(self.running)
         budget = self.config.max_num_tokens
-        chosen: dict[str, int] = {}
+        chosen: dict[str, tuple[Request, int]] = {}  # by request id, in step order
         preempted: list[str] = []
         for request in [r for r in self.running if r.num_tokens_to_compute == 1]:
             if request.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this loop
             if self._reserve(request, 1, preempted, chosen):
-                chosen[request.request_id] = 1
+                chosen[request.request_id] = (request, 1)
                 budget -= 1
         prefilling = [r for r in self.running if r.num_tokens_to_compute > 1]
-        decodes = step_shape(chosen, self.requests)
+        decodes = step_shape(chosen.values())
         prefill_budget = self.step_budget.prefill_token_budget(budget, decodes, deepest_start(prefilling))
         if self.capacity.may_admit_now(num_running_at_start):
             admission_budget = self.capacity.admission_token_budget(
@@ -123,14 +129,15 @@ class Scheduler:
         )
         for request, size in self.chunking.split(prefilling, prefill_budget, self.kv.block_size):
             if request.state is RequestState.RUNNING and self._reserve(request, size, preempted, chosen):
-                chosen[request.request_id] = size
+                chosen[request.request_id] = (request, size)
         batch = tuple(
-            ScheduledRequest(rid, n, self.requests[rid].num_computed_tokens + n == self.requests[rid].num_tokens)
-            for rid, n in chosen.items()
+            ScheduledRequest(r, n, r.num_computed_tokens + n == r.num_tokens) for r, n in chosen.values()
         )
-        return ScheduledBatch(batch, tuple(preempted), self.step_budget.predict_ms(step_shape(chosen, self.requests)))
+        return ScheduledBatch(batch, tuple(preempted), self.step_budget.predict_ms(step_shape(chosen.values())))
 
-    def _reserve(self, request: Request, num_tokens: int, preempted: list[str], chosen: dict[str, int]) -> bool:
+    def _reserve(
+        self, request: Request, num_tokens: int, preempted: list[str], chosen: dict[str, tuple[Request, int]]
+    ) -> bool:
         """Allocate blocks for this step, preempting (policy permitting) until they fit."""
         while not self.kv.allocate(request, num_tokens):
             victims = [r for r in self.running if r.request_id not in chosen]
@@ -208,8 +215,8 @@ class Scheduler:
         produced = []
         self.stats.num_steps += 1
         for item in batch.requests:
-            request = self.requests.get(item.request_id)
-            if request is None or request.state is not RequestState.RUNNING:
+            request = item.request
+            if request.state is not RequestState.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
             if request.num_computed_tokens <= request.num_prompt_tokens:
@@ -245,7 +252,8 @@ class Scheduler:
         return None
 
     def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
-        """End a request in any state; its blocks go back to the pool now."""
+        """End a request in any state, the one way any request ends; its blocks go back to the
+        pool now."""
         if request.state.is_finished:
             return
         if request.state is RequestState.RUNNING:
@@ -254,13 +262,13 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
-        self.kv.forget(request)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.error = error
         request.times.finished = self._clock()
-        del self.requests[request.request_id]
-        if reason is FinishReason.ABORT:
+        if request.timed_out_in_queue:
+            self.stats.refused += 1
+        elif reason is FinishReason.ABORT:
             self.stats.cancelled += 1
         elif reason is FinishReason.ERROR:
             self.stats.failed += 1
@@ -272,15 +280,8 @@ class Scheduler:
         `arrived_before` (the queue timeout); preempted ones were admitted once and stay."""
         expired = [r for r in self.waiting if r.state is RequestState.WAITING and r.times.arrival < arrived_before]
         for request in expired:
-            self.waiting.remove(request)
-            self.kv.forget(request)
-            request.state = RequestState.FINISHED
-            request.finish_reason = FinishReason.ABORT
-            request.error = "the request was not admitted within the queue timeout"
             request.timed_out_in_queue = True
-            request.times.finished = self._clock()
-            del self.requests[request.request_id]
-            self.stats.refused += 1
+            self.finish(request, FinishReason.ABORT, "the request was not admitted within the queue timeout")
         return expired
 
     def check_integrity(self) -> None:

@@ -11,7 +11,7 @@ any load. `make_step_budget` is the one place that chooses between them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from ifb.runtime.errors import LimitExceededError
@@ -173,12 +173,12 @@ class RelativeTargetBudget(_CorrectedTarget):
         return self._fitting_chunk(token_budget, target, decode, prefill_start)
 
 
-def step_shape(chosen: Mapping[str, int], requests: Mapping[str, Request]) -> StepShape:
-    """The cost-relevant shape of a step scheduling `chosen` (request id -> new tokens), taken
+def step_shape(chosen: Iterable[tuple[Request, int]]) -> StepShape:
+    """The cost-relevant shape of a step scheduling `chosen` ((request, new tokens) pairs), taken
     before its tokens are computed."""
     prefill = decode_rows = decode_context = pairs = 0
-    for request_id, n in chosen.items():
-        start = requests[request_id].num_computed_tokens
+    for request, n in chosen:
+        start = request.num_computed_tokens
         if n == 1:  # a one-token prompt tail runs on the decode path too (step/step_inputs.py)
             decode_rows += 1
             decode_context += start + 1

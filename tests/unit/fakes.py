@@ -81,7 +81,7 @@ class FakeEngine:
         """The batch's shape as the engine sees it: one-token slices run on the decode path."""
         prefill = decode_rows = decode_context = pairs = 0
         for item in batch.requests:
-            start = self.scheduler.requests[item.request_id].num_computed_tokens
+            start = item.request.num_computed_tokens
             if item.num_new_tokens == 1:
                 decode_rows, decode_context = decode_rows + 1, decode_context + start + 1
             else:
@@ -99,7 +99,7 @@ class FakeEngine:
         sampled = {}
         for item in batch.requests:
             if item.sample:
-                request = self.scheduler.requests[item.request_id]
+                request = item.request
                 sampled[item.request_id] = (request.token_ids[-1] + 1) % 1000 or 3
         self.scheduler.update(batch, sampled)
         self.scheduler.check_integrity()

@@ -172,7 +172,7 @@ def test_abort_in_every_state_frees_blocks(when: str) -> None:
         "preempted": RequestState.PREEMPTED,
     }[when]
     assert target.state is expected_state
-    s.abort(target.request_id)
+    s.abort(target)
     assert target.finish_reason is FinishReason.ABORT and target.block_ids == []
     s.check_integrity()
     engine.run_until_idle()
@@ -204,7 +204,7 @@ def test_seeded_random_workload_keeps_invariants(policy: CapacityPolicyKind, chu
             s.add(r)
             everyone.append(r)
         if everyone and rng.random() < 0.05:
-            s.abort(rng.choice(everyone).request_id)
+            s.abort(rng.choice(everyone))
         engine.step()
     engine.run_until_idle()
     assert all(r.state is RequestState.FINISHED for r in everyone)
