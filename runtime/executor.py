@@ -85,7 +85,12 @@ class _Refused:
 
 class Executor:
     def __init__(
-        self, engine_factory: Callable[[], Engine], scheduler: Scheduler, tokenizer: Any, sampler: Sampler | None = None
+        self,
+        engine_factory: Callable[[], Engine],
+        scheduler: Scheduler,
+        tokenizer: Any,
+        sampler: Sampler | None = None,
+        queue_timeout_s: float | None = None,
     ) -> None:
         self._engine_factory = engine_factory
         self.engine: Engine | None = None
@@ -102,7 +107,7 @@ class Executor:
         self._fatal_error: str | None = None
         self._guided = GuidedUsage()
         self.snapshot = EngineSnapshot()
-        self.queue_timeout_s: float | None = None  # waiting longer than this before admission: refused
+        self.queue_timeout_s = queue_timeout_s  # waiting longer than this before admission: refused
         self.step_listeners: list[StepListener] = []
         # Called on this thread with each scheduled batch just before its engine step, before the
         # stuck-step watchdog's clock starts (tests observe or hold steps here). An abort arriving

@@ -53,7 +53,10 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_path))
         self.frontend = Frontend(self.engine_config, self.config, self.tokenizer, self.settings.chat_template)
         self.executor = Executor(
-            lambda: Engine(self.engine_config, self.settings.step_mode), self._make_scheduler(), self.tokenizer
+            lambda: Engine(self.engine_config, self.settings.step_mode),
+            self._make_scheduler(),
+            self.tokenizer,
+            queue_timeout_s=self.config.queue_timeout,
         )
         self.channel = RequestChannel(self.executor, self.config.max_batch_size + self.config.max_queued_requests)
         self.metrics = Metrics(self.executor)

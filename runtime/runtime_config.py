@@ -37,6 +37,11 @@ class RuntimeSettings:
         aliases=("--max-num-batched-tokens",),
     )
     max_queued_requests: int = option(64, "Requests that may wait for a seat; beyond them a 429.", minimum=0)
+    # The executor refuses what waited longer, so `ifb run`, each `ifb serve` replica and LLM(...)
+    # enforce it alike; the server turns the refusal into a 429.
+    queue_timeout: float | None = option(
+        None, "Seconds a request may wait for its first admission before it is refused (a 429).", minimum=0
+    )
     policy: CapacityPolicyKind = option(
         CapacityPolicyKind.GUARANTEED_NO_EVICT,
         "Who may hold KV blocks: guaranteed_no_evict admits only what fits to completion; max_utilization "
@@ -97,7 +102,6 @@ class ServerSettings:
     )
     api_key: str | None = option(None, "Require Authorization: Bearer KEY on /v1/*.", cli=False)  # cli: 3 sources
     allowed_origins: tuple[str, ...] = option((), "A CORS origin browsers may call from (repeatable; default none).")
-    queue_timeout: float | None = option(None, "Seconds a request may wait before a 429.")
 
     def app_options(self) -> dict[str, Any]:
         """create_app's keywords: every setting but where to listen."""
@@ -136,6 +140,7 @@ class RuntimeConfig:
     max_batch_size: int
     max_num_tokens: int
     max_queued_requests: int
+    queue_timeout: float | None
     policy: CapacityPolicyKind
     chunking: ChunkingPolicyKind
     enable_prefix_reuse: bool

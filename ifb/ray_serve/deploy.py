@@ -39,7 +39,6 @@ def build_app(engine: Path, settings: RuntimeSettings, options: ServeOptions) ->
     engine_config = EngineConfig.load(engine, verify=False)
     config = resolve_runtime_config(engine_config, settings)
     capacity = config.max_batch_size + config.max_queued_requests
-    queue_timeout = options.app_options.get("queue_timeout")
     router: dict[str, Any] = {
         "request_router_class": ROUTER_CLASS,
         "request_router_kwargs": {"block_size": engine_config.limits.block_size},
@@ -65,7 +64,7 @@ def build_app(engine: Path, settings: RuntimeSettings, options: ServeOptions) ->
         ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(
-        replica.bind(str(engine), settings, options.threads_per_replica, queue_timeout),
+        replica.bind(str(engine), settings, options.threads_per_replica),
         str(engine),
         settings,
         options.num_replicas,

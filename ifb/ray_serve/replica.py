@@ -63,17 +63,13 @@ class IfbReplica:
     """Wrapped by `serve.deployment` in deploy.py; Serve calls `record_routing_stats` every
     request_routing_stats_period_s and hands the result to the ingress's router."""
 
-    def __init__(
-        self, engine: str, settings: RuntimeSettings, threads: int | None = None, queue_timeout: float | None = None
-    ) -> None:
+    def __init__(self, engine: str, settings: RuntimeSettings, threads: int | None = None) -> None:
         from ray import serve
 
         from ifb.runtime.llm import LLM
 
         set_threads(threads)
         self.llm = LLM(engine, settings)
-        if queue_timeout is not None:
-            self.llm.executor.queue_timeout_s = queue_timeout  # QUEUE-TIMEOUT-INTERIM
         self.replica = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serving %s (pid %d)", self.replica, self.llm.model_name, os.getpid())
 

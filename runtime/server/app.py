@@ -27,7 +27,6 @@ def create_app(
     engine: EngineClient,
     *,
     api_key: str | None = None,
-    queue_timeout: float | None = None,
     max_body_bytes: int = 4 << 20,
     served_model_names: tuple[str, ...] = (),
     allowed_origins: tuple[str, ...] = (),
@@ -43,8 +42,6 @@ def create_app(
         redoc_url=None if with_key else "/redoc",
         openapi_url=None if with_key else "/openapi.json",
     )
-    if queue_timeout is not None and hasattr(engine, "executor"):  # QUEUE-TIMEOUT-INTERIM
-        engine.executor.queue_timeout_s = queue_timeout  # type: ignore[attr-defined]  # QUEUE-TIMEOUT-INTERIM
     routes = Routes(engine, served_model_names or (engine.model_info.name,))
     _add_error_handlers(app, engine)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)

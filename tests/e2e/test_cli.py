@@ -339,5 +339,4 @@ def test_serve_builds_with_run_build_options_and_hands_every_setting_on(
         "served_model_names": ("alias-a",),
         "api_key": "sesame",
         "allowed_origins": (),
-        "queue_timeout": None,
     }

@@ -139,8 +139,8 @@ QUEUE_TIMEOUT_S = 0.3
 def test_queue_timeout_returns_429(tiny_llama_engine: Path) -> None:
     """One seat, held: a request that waits in the queue past the timeout gets a 429. The holder's
     steps wait until the late request has waited that long, so the seat cannot free first."""
-    llm = LLM(tiny_llama_engine, max_batch_size=1, max_queued_requests=2)
-    with running_server(llm, queue_timeout=QUEUE_TIMEOUT_S) as base, StepGate(llm.executor) as gate:
+    llm = LLM(tiny_llama_engine, max_batch_size=1, max_queued_requests=2, queue_timeout=QUEUE_TIMEOUT_S)
+    with running_server(llm) as base, StepGate(llm.executor) as gate:
 
         def late_one_waited_out(batch: ScheduledBatch) -> bool:
             arrivals = [r.times.arrival for r in gate.submitted.values()][1:]
@@ -167,8 +167,8 @@ def test_queue_timeout_returns_429(tiny_llama_engine: Path) -> None:
 def test_queue_timeout_times_the_queue_not_the_first_token(tiny_llama_engine: Path) -> None:
     """Admitted at once but slow to its first token (its first step waits until the request is
     older than the queue timeout, like a long prefill): not a 429."""
-    llm = LLM(tiny_llama_engine, max_batch_size=2)
-    with running_server(llm, queue_timeout=0.2) as base, StepGate(llm.executor) as gate:
+    llm = LLM(tiny_llama_engine, max_batch_size=2, queue_timeout=0.2)
+    with running_server(llm) as base, StepGate(llm.executor) as gate:
 
         def older_than_the_timeout(batch: ScheduledBatch) -> bool:
             requests = [gate.submitted.get(item.request_id) for item in batch.requests]
