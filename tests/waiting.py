@@ -28,9 +28,11 @@ def wait_until(
     what: str,
     *,
     ignoring: tuple[type[BaseException], ...] = (),
+    every_s: float = POLL_S,
 ) -> T:
-    """Poll `condition` until it returns something truthy, and return that. Raises AssertionError
-    naming `what` after `timeout_s`. An exception in `ignoring` counts as "not yet"."""
+    """Poll `condition` every `every_s` until it returns something truthy, and return that.
+    Raises AssertionError naming `what` after `timeout_s`. An exception in `ignoring` counts as
+    "not yet"."""
     deadline = time.monotonic() + timeout_s
     last_error: BaseException | None = None
     while True:
@@ -43,7 +45,7 @@ def wait_until(
         if time.monotonic() >= deadline:
             detail = f" (last error: {last_error!r})" if last_error is not None else ""
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{detail}")
-        time.sleep(POLL_S)
+        time.sleep(every_s)
 
 
 class StepGate:

@@ -10,7 +10,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,16 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from server_harness import free_port  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 from ifb.ray_serve.deploy import ServeOptions, serve_engine, shutdown  # noqa: E402
 from ifb.runtime.runtime_config import RuntimeSettings  # noqa: E402
 
 START_TIMEOUT_S = 90
 REPORT_WAIT_S = 10  # replicas report every 0.2 s here; allow for a busy 2-core machine
+# waits poll the ingress's /health every 0.1 s (leaving the small machine to the replicas); a
+# report not there yet or a replica restarting counts as "not yet"
+POLL: dict[str, Any] = dict(ignoring=(httpx.HTTPError, KeyError, ValueError), every_s=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def base_url(tiny_llama_engine: Path) -> Iterator[str]:
     serve_engine(tiny_llama_engine, RuntimeSettings(), options, blocking=False)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: health(base)["num_ready"] == 2, START_TIMEOUT_S, "both replicas ready")
+        wait_until(lambda: health(base)["num_ready"] == 2, START_TIMEOUT_S, "both replicas ready", **POLL)
         yield base
     finally:
         shutdown()
@@ -44,19 +47,6 @@ def base_url(tiny_llama_engine: Path) -> Iterator[str]:
 
 def health(base: str) -> dict[str, Any]:
     return httpx.get(base + "/health", timeout=5).json()
-
-
-def wait_for(condition: Any, timeout_s: float, what: str) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            if condition():
-                return
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        if time.time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def per_replica(base: str, block: str, key: str) -> dict[str, int]:
@@ -96,7 +86,7 @@ def test_shared_prefix_requests_land_on_one_replica(base_url: str) -> None:
         after = per_replica(base_url, "kv_cache", "prefix_cache_hit_tokens")
         return {name: after[name] - before.get(name, 0) for name in after}
 
-    wait_for(lambda: sum(gained().values()) >= 4 * 64, REPORT_WAIT_S, "prefix hits reported")
+    wait_until(lambda: sum(gained().values()) >= 4 * 64, REPORT_WAIT_S, "prefix hits reported", **POLL)
     assert sorted(gained().values()) == [0, 4 * 64]
 
 
@@ -107,7 +97,7 @@ def test_load_spreads_when_prefixes_differ(base_url: str) -> None:
         reported = health(base_url)["replicas"].values()
         return all(r["scheduling"]["resident"] + r["scheduling"]["queued"] == 0 for r in reported if "scheduling" in r)
 
-    wait_for(idle_everywhere, REPORT_WAIT_S, "idle replicas")
+    wait_until(idle_everywhere, REPORT_WAIT_S, "idle replicas", **POLL)
     before = per_replica(base_url, "scheduling", "submitted")
     prompts = [[30 + 17 * i + j for j in range(20)] for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
@@ -118,21 +108,42 @@ def test_load_spreads_when_prefixes_differ(base_url: str) -> None:
         after = per_replica(base_url, "scheduling", "submitted")
         return [after[name] - before.get(name, 0) for name in after]
 
-    wait_for(lambda: sum(gained()) >= 12, REPORT_WAIT_S, "submissions reported")
+    wait_until(lambda: sum(gained()) >= 12, REPORT_WAIT_S, "submissions reported", **POLL)
     assert min(gained()) >= 2, gained()
     in_flight = [r["router_in_flight"] for r in health(base_url)["replicas"].values()]
     assert in_flight == [0, 0], "the router counts every finished request out"
 
 
 def test_client_disconnect_cancels_inside_the_replica(base_url: str) -> None:
-    """Closing a stream mid-way aborts the request in its replica (`cancelled` rises)."""
-    before = health(base_url)["scheduling"]["cancelled"]
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    """Closing a stream mid-way aborts the request in the replica that ran it: that replica's
+    `cancelled` rises by exactly one, its resident count returns to 0, and nothing completed."""
+
+    def settled() -> dict[str, dict[str, int]] | None:
+        """Each replica's scheduling block, once every report shows all its requests ended."""
+        blocks = {name: r["scheduling"] for name, r in health(base_url)["replicas"].items() if "scheduling" in r}
+        for b in blocks.values():
+            if b["resident"] or b["queued"] or b["submitted"] != b["completed"] + b["cancelled"] + b["failed"]:
+                return None
+        return blocks if len(blocks) == 2 else None
+
+    before = wait_until(settled, REPORT_WAIT_S, "reports with every earlier request ended", **POLL)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=30) as response:
         for i, _ in enumerate(response.iter_lines()):
             if i >= 3:
                 break
-    wait_for(lambda: health(base_url)["scheduling"]["cancelled"] > before, REPORT_WAIT_S, "the cancellation")
+
+    def rise(after: dict[str, dict[str, int]], key: str) -> dict[str, int]:
+        return {name: after[name][key] - before[name][key] for name in before}
+
+    def ended() -> dict[str, dict[str, int]] | None:
+        now = settled()
+        return now if now is not None and sum(rise(now, "submitted").values()) == 1 else None
+
+    after = wait_until(ended, REPORT_WAIT_S, "the request reported ended", **POLL)
+    assert sorted(rise(after, "cancelled").values()) == [0, 1], rise(after, "cancelled")
+    assert rise(after, "submitted") == rise(after, "cancelled"), "cancelled on the replica that ran it"
+    assert set(rise(after, "completed").values()) == {0} and set(rise(after, "failed").values()) == {0}
 
 
 def _stream_outcome(base: str, prompt: list[int]) -> str:
@@ -153,7 +164,9 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(base_url: str) -
     replica's finish, nothing hangs, new requests succeed, and Ray starts a replacement."""
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_stream_outcome, base_url, [40 + 9 * i + j for j in range(20)]) for i in range(6)]
-        wait_for(lambda: min(per_replica(base_url, "scheduling", "resident").values()) > 0, 20, "both replicas busy")
+        wait_until(
+            lambda: min(per_replica(base_url, "scheduling", "resident").values()) > 0, 20, "both replicas busy", **POLL
+        )
         victim, report = next(iter(sorted(health(base_url)["replicas"].items())))
         os.kill(report["pid"], signal.SIGKILL)
         outcomes = [f.result(timeout=90) for f in futures]
@@ -166,4 +179,4 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(base_url: str) -
         ready = [r for r in replicas.values() if r.get("status") == "ok"]
         return victim not in replicas and len(ready) == 2
 
-    wait_for(replaced, 60, "a replacement replica")
+    wait_until(replaced, 60, "a replacement replica", **POLL)
