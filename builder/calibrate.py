@@ -13,9 +13,9 @@ from pathlib import Path
 
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import EngineFormatError
-from ifb.runtime.step.calibration import calibrate
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step_cost_model import StepCostModel
+from ifb.runtime.step_budget.calibration import calibrate
+from ifb.runtime.step_budget.cost_model import StepCostModel
 
 logger = logging.getLogger(__name__)
 

@@ -197,7 +197,9 @@ class Executor:
         if isinstance(item, _Add):
             request = item.request
             sampling = SamplingState.create(request.params.seed, item.compiled_grammar)
-            self._live[request.request_id] = LiveRequest(request, sampling, self.outputs.detokenizer(request), item.sink)
+            self._live[request.request_id] = LiveRequest(
+                request, sampling, self.outputs.detokenizer(request), item.sink
+            )
             self.scheduler.add(request)
             if item.compiled_grammar is not None:
                 self._count_guided(item.grammar_compile_s)
@@ -249,7 +251,7 @@ class Executor:
         self._tokens_since_summary += len(sampled)
         if batch.predicted_ms is not None:
             measured_ms = (time.perf_counter() - start) * 1e3
-            self.scheduler.step_budget.observe_step(batch.predicted_ms, measured_ms, batch.has_prefill_chunk)
+            self.scheduler.observe_step(batch, measured_ms)
         self._record(batch, start)
 
     def _run_engine(

@@ -9,7 +9,7 @@ from typing import Any
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.runtime_config import RuntimeConfig
-from ifb.runtime.step_budget import StepBudget
+from ifb.runtime.step_budget import StepBudgetReport
 
 
 def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:
@@ -32,23 +32,6 @@ def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:
     }
 
 
-def step_budget_block(budget: StepBudget) -> dict[str, Any]:
-    """The active inter-token target (None = off: the fixed max_num_tokens budget) and the cost
-    model the scheduler predicts steps with (None if the engine has none)."""
-    model = budget.cost_model
-    return {
-        "itl_target_ms": budget.itl_target_ms,
-        "itl_target_decode_multiple": budget.itl_target_decode_multiple,
-        "cost_model": None if model is None else model.to_json(),
-        # chunked steps' measured / predicted time, learned while serving; the budget divides by it
-        "measured_over_predicted": _rounded(budget.measured_over_predicted),
-    }
-
-
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
-
-
 def engine_block(engine: EngineConfig) -> dict[str, Any]:
     """How the engine computes: what a user comparing speed or quality needs to know."""
     return {
@@ -67,7 +50,7 @@ def health_body(
     snapshot: EngineSnapshot,
     engine: EngineConfig,
     config: RuntimeConfig,
-    budget: StepBudget,
+    budget: StepBudgetReport,
 ) -> dict[str, Any]:
     kv, guided = snapshot.kv, snapshot.guided
     limits = engine.limits
@@ -88,7 +71,10 @@ def health_body(
             "enable_prefix_reuse": config.enable_prefix_reuse,
         },
         "scheduling": scheduling_block(snapshot),
-        "step_budget": step_budget_block(budget),
+        # the active inter-token target (None = off: the fixed max_num_tokens budget), the cost
+        # model steps are predicted with, and chunked steps' measured/predicted ratio learned while
+        # serving (the budget divides by it)
+        "step_budget": budget.to_json(),
         "kv_cache": {
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,

@@ -36,6 +36,7 @@ from ifb.runtime.runtime_config import RuntimeConfig, RuntimeSettings, resolve_r
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
 from ifb.runtime.step.engine import Engine
+from ifb.runtime.step_budget import FixedBudget, StepBudget, StepCostModel, make_step_budget
 
 T = TypeVar("T")
 FRONTEND_WORKERS = 2  # concurrent tokenizations/compiles for async callers: bounded, off the loop
@@ -53,10 +54,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_path))
         self.frontend = Frontend(self.engine_config, self.config, self.tokenizer, self.settings.chat_template)
         self.executor = Executor(
-            lambda: Engine(self.engine_config, self.settings.step_mode),
-            self._make_scheduler(),
-            self.tokenizer,
-            queue_timeout_s=self.config.queue_timeout,
+            self._load_engine, self._make_scheduler(), self.tokenizer, queue_timeout_s=self.config.queue_timeout
         )
         self.channel = RequestChannel(self.executor, self.config.max_batch_size + self.config.max_queued_requests)
         self.metrics = Metrics(self.executor)
@@ -66,21 +64,32 @@ class LLM:
         self.executor.start()
 
     def _make_scheduler(self) -> Scheduler:
-        from ifb.runtime.step.calibration import calibrate_on_engine_thread
-        from ifb.runtime.step_budget import make_step_budget
-
         limits = self.engine_config.limits
         kv = KVCacheManager(self.config.num_kv_blocks, limits.block_size, self.config.enable_prefix_reuse)
-        cost_model = self.engine_config.cost_model
-        if self.config.calibrate:
-            cost_model = calibrate_on_engine_thread(lambda: Engine(self.engine_config, self.settings.step_mode))
+        # With --calibrate the budget is made once the engine is measured (_load_engine); until
+        # then no step runs, so the fixed budget never schedules one.
+        budget = FixedBudget() if self.config.calibrate else self._step_budget(self.engine_config.cost_model)
         return Scheduler(
             SchedulerConfig(self.config.max_batch_size, self.config.max_num_tokens, limits.max_seq_len),
             kv,
             make_capacity_policy(self.config.policy, kv),
             make_chunking_policy(self.config.chunking),
-            make_step_budget(self.config.itl_target_ms, cost_model, self.config.max_batch_size, limits.block_size),
+            budget,
         )
+
+    def _step_budget(self, cost_model: StepCostModel | None) -> StepBudget:
+        limits = self.engine_config.limits
+        return make_step_budget(self.config.itl_target_ms, cost_model, self.config.max_batch_size, limits.block_size)
+
+    def _load_engine(self) -> Engine:
+        """On the executor thread, before its loop starts. --calibrate measures this engine (the
+        KV it writes is garbage over blocks no request owns yet) instead of loading a second one."""
+        engine = Engine(self.engine_config, self.settings.step_mode)
+        if self.config.calibrate:
+            from ifb.runtime.step_budget.calibration import calibrate
+
+            self.executor.scheduler.step_budget = self._step_budget(calibrate(engine))
+        return engine
 
     @property
     def engine(self) -> Engine:
@@ -217,7 +226,7 @@ class LLM:
 
     def health_report(self) -> HealthReport:
         health = self.health()
-        budget = self.executor.scheduler.step_budget  # fixed at start: safe to read from any thread
+        budget = self.executor.scheduler.step_budget.report()
         body = health_body(self.model_name, health, self.stats(), self.engine_config, self.config, budget)
         return HealthReport(health.ok, body)
 

@@ -130,9 +130,7 @@ class Scheduler:
         for request, size in self.chunking.split(prefilling, prefill_budget, self.kv.block_size):
             if request.state is RequestState.RUNNING and self._reserve(request, size, preempted, chosen):
                 chosen[request.request_id] = (request, size)
-        batch = tuple(
-            ScheduledRequest(r, n, r.num_computed_tokens + n == r.num_tokens) for r, n in chosen.values()
-        )
+        batch = tuple(ScheduledRequest(r, n, r.num_computed_tokens + n == r.num_tokens) for r, n in chosen.values())
         return ScheduledBatch(batch, tuple(preempted), self.step_budget.predict_ms(step_shape(chosen.values())))
 
     def _reserve(
@@ -239,6 +237,11 @@ class Scheduler:
                     continue
             self.kv.publish(request)
         return produced
+
+    def observe_step(self, batch: ScheduledBatch, measured_ms: float) -> None:
+        """The measured time of a step this scheduler predicted: the step budget learns from it."""
+        if batch.predicted_ms is not None:
+            self.step_budget.observe_step(batch.predicted_ms, measured_ms, batch.has_prefill_chunk)
 
     def _token_stop(self, request: Request, token: int) -> FinishReason | None:
         params = request.params

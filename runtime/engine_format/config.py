@@ -19,7 +19,7 @@ from ifb.runtime.engine_format.artifacts import ENGINE_JSON, confined_path, veri
 from ifb.runtime.engine_format.limits import DTYPE_BYTES, EngineLimits, kv_bytes_per_block, kv_pool_shape
 from ifb.runtime.engine_format.model_spec import ModelSpec
 from ifb.runtime.errors import EngineFormatError
-from ifb.runtime.step_cost_model import StepCostModel
+from ifb.runtime.step_budget.cost_model import StepCostModel
 
 ENGINE_FORMAT_VERSION = 2  # 2: typed record with build_id, build_options and kernel/tensorrt sections
 # What a stored weight may be (the one enum, plugins/quant_formats.py): `weight_formats` is an

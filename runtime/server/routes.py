@@ -150,9 +150,7 @@ class Routes:
         return PlainTextResponse(self.engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _completion_prompts(
-    engine: EngineClient, prompt: str | list[str] | list[int] | list[list[int]]
-) -> list[list[int]]:
+def _completion_prompts(engine: EngineClient, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
     if isinstance(prompt, str):
         return [engine.tokenize(prompt)]
     if not prompt:

@@ -12,7 +12,7 @@ from ifb import LLM, SamplingParams
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.executor import StepRecord
 from ifb.runtime.step_budget import FixedBudget, LatencyTargetBudget, RelativeTargetBudget
-from ifb.runtime.step_cost_model import StepCostModel, StepShape
+from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
 from ifb.runtime.trace import TraceRecorder
 
 BLOCK = 16  # TINY_LIMITS
@@ -48,7 +48,7 @@ def test_build_records_a_calibrated_cost_model(cost_model: StepCostModel) -> Non
 
 def test_calibrate_at_start_measures_a_fresh_model(tiny_llama_engine: Path, cost_model: StepCostModel) -> None:
     with LLM(tiny_llama_engine, calibrate=True) as llm:
-        fresh = llm.executor.scheduler.step_budget.cost_model
+        fresh = llm.executor.scheduler.step_budget.report().cost_model
         assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
     assert fresh is not None and fresh != cost_model
     check_calibrated(fresh)
@@ -81,13 +81,13 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
         if target is not None:
             assert max(s.num_tokens for s in steps) <= BLOCK + 8
         assert health["step_budget"] == {
-            "itl_target_ms": budget.itl_target_ms,
-            "itl_target_decode_multiple": budget.itl_target_decode_multiple,
+            "itl_target_ms": budget.report().itl_target_ms,
+            "itl_target_decode_multiple": budget.report().itl_target_decode_multiple,
             "cost_model": cost_model.to_json(),
-            "measured_over_predicted": round(budget.measured_over_predicted, 3),
+            "measured_over_predicted": round(budget.correction.ratio, 3),
         }
         # the chunked steps were observed: the ratio moved off its 1.0 prior, within its clamp
-        assert budget.correction.num_observed > 0 and 0.5 <= budget.measured_over_predicted <= 2.0
+        assert budget.correction.num_observed > 0 and 0.5 <= budget.correction.ratio <= 2.0
         assert health["engine"] == {
             "backend": "cpu",
             "dtype": "float32",

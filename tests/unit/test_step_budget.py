@@ -19,10 +19,11 @@ from ifb.runtime.step_budget import (
     LatencyTargetBudget,
     RelativeTargetBudget,
     StepBudget,
+    StepBudgetReport,
     default_itl_target_ms,
     make_step_budget,
 )
-from ifb.runtime.step_cost_model import StepCostModel, StepShape
+from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
 
 BLOCK = 16
 # Shaped like SmolLM2 fp32 on 2 cores: 30 ms fixed, 1.8 ms a prefill token, 1.5 ms a decode row.
@@ -265,11 +266,12 @@ def test_factory_chooses_by_target_and_model() -> None:
     assert isinstance(make_step_budget(None, None, 8, BLOCK), FixedBudget)
     default = make_step_budget(None, MODEL, 8, BLOCK)
     assert isinstance(default, RelativeTargetBudget)
-    assert default.itl_target_ms is None and default.itl_target_decode_multiple == DEFAULT_TARGET_DECODE_MULTIPLE
+    assert default.report().itl_target_ms is None
+    assert default.report().itl_target_decode_multiple == DEFAULT_TARGET_DECODE_MULTIPLE
     assert default_itl_target_ms(MODEL, 8) == pytest.approx(2.5 * (30 + 8 * 1.5 + 0.002 * 8 * 256), abs=0.1)
-    assert make_step_budget(250.0, MODEL, 8, BLOCK).itl_target_ms == 250.0
+    assert make_step_budget(250.0, MODEL, 8, BLOCK).report().itl_target_ms == 250.0
     off = make_step_budget(0, MODEL, 8, BLOCK)
-    assert off.itl_target_ms is None and off.cost_model is MODEL
+    assert off.report() == StepBudgetReport(cost_model=MODEL)
     assert off.predict_ms(StepShape(num_decode_rows=1, num_decode_context_tokens=10)) == pytest.approx(31.52)
     with pytest.raises(LimitExceededError, match="itl_target_ms 100.0 needs .* --calibrate"):
         make_step_budget(100.0, None, 8, BLOCK)

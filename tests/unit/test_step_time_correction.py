@@ -14,8 +14,8 @@ from ifb.runtime.step_budget import (
     StepBudget,
     make_step_budget,
 )
-from ifb.runtime.step_cost_model import StepCostModel, StepShape
-from ifb.runtime.step_time_correction import MAX_RATIO, MIN_RATIO, StepTimeCorrection
+from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
+from ifb.runtime.step_budget.time_correction import MAX_RATIO, MIN_RATIO, StepTimeCorrection
 
 BLOCK = 16
 MODEL = StepCostModel(30.0, 1.8, 1.5, 0.002, 0.0001)  # what the build measured
@@ -43,8 +43,9 @@ def scheduler_with(budget: StepBudget) -> Scheduler:
 
 def real_target_ms(budget: StepBudget, shape: StepShape) -> float | None:
     """The real-time bound a step of `shape` was sized for (None: no decodes, no bound)."""
-    if budget.itl_target_ms is not None:
-        return budget.itl_target_ms
+    target = budget.report().itl_target_ms
+    if target is not None:
+        return target
     if shape.num_decode_rows == 0:
         return None
     decode = StepShape(num_decode_rows=shape.num_decode_rows, num_decode_context_tokens=shape.num_decode_context_tokens)
@@ -82,13 +83,13 @@ def test_learned_ratio_keeps_real_chunked_steps_under_the_target(target_ms: floa
     assert worst_overshoot(target_ms, correct=True) <= 1.0 + 1e-9
     budget = make_step_budget(target_ms, MODEL, max_batch_size=16, block_size=BLOCK)
     budget.observe_step(100.0, 125.0, has_prefill=True)
-    assert budget.measured_over_predicted == pytest.approx(1.25)
+    assert budget.report().measured_over_predicted == pytest.approx(1.25)
 
 
 def test_decode_only_steps_and_the_fixed_budget_learn_nothing() -> None:
     budget = make_step_budget(200.0, MODEL, max_batch_size=16, block_size=BLOCK)
     budget.observe_step(50.0, 90.0, has_prefill=False)
-    assert budget.measured_over_predicted == 1.0
+    assert budget.report().measured_over_predicted == 1.0
     fixed = FixedBudget(MODEL)
     fixed.observe_step(50.0, 90.0, has_prefill=True)
-    assert fixed.measured_over_predicted is None
+    assert fixed.report().measured_over_predicted is None

@@ -1,7 +1,7 @@
 """Calibration: time a handful of engine steps of known shape and fit the StepCostModel.
 
 Run by `ifb build` at the end of a build (builder/calibrate.py) and by `ifb run --calibrate` at
-start, on the thread that will run the steps. The points span the engine's limits: decode-only
+start, on the executor's own engine and thread before its loop starts (runtime/llm.py). The points span the engine's limits: decode-only
 steps (few / all rows, short / long context), prefill-only chunks (small / full, at the start
 and deep into a prompt) and a mixed step. The KV it writes is garbage over blocks nobody owns
 yet, so it must run before any request does.
@@ -12,13 +12,11 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from ifb.runtime.engine_threads import run_on_engine_thread
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
-from ifb.runtime.step_cost_model import StepCostModel, StepShape
+from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +126,3 @@ def calibrate(engine: Engine) -> StepCostModel:
         100 * model.max_relative_error,
     )
     return model
-
-
-def calibrate_on_engine_thread(engine_factory: Callable[[], Engine]) -> StepCostModel:
-    """Load an engine and calibrate it on a pooled engine thread, the one the executor reuses
-    next: torch work on the caller's thread would leave a second OpenMP team behind, and that
-    made every step ~1.8x slower (executor.py). The engine and its KV pool are freed after."""
-    fitted: list[StepCostModel] = []
-    run_on_engine_thread(lambda: fitted.append(calibrate(engine_factory()))).result()
-    return fitted[0]

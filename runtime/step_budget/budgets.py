@@ -3,7 +3,7 @@
 `FixedBudget` gives prefill whatever the decodes leave of max_num_tokens (the engine's limit).
 `LatencyTargetBudget` gives the largest chunk whose predicted step time stays within an
 inter-token target, and at least one block so every prompt keeps moving (see
-scheduler_design.md). `RelativeTargetBudget` (the default) does the same with a target of a few
+docs/design.md §5.6, §6). `RelativeTargetBudget` (the default) does the same with a target of a few
 times this step's own decode time, so the worst gap stays a fixed multiple of the typical one at
 any load. `make_step_budget` is the one place that chooses between them.
 """
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.request import Request
-from ifb.runtime.step_cost_model import StepCostModel, StepShape
-from ifb.runtime.step_time_correction import StepTimeCorrection
+from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
+from ifb.runtime.step_budget.time_correction import StepTimeCorrection
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +37,28 @@ DEFAULT_TARGET_FLOOR_MS = 80.0
 DEFAULT_TARGET_CONTEXT = 256  # a typical chat turn's context (for the absolute figure /health shows)
 
 
+@dataclass(frozen=True, slots=True)
+class StepBudgetReport:
+    """What a budget is doing, for /health: the active inter-token target (an absolute one, or a
+    multiple of each step's decode time; neither = off, the fixed max_num_tokens budget), the
+    cost model steps are predicted with, and the learned measured/predicted ratio."""
+
+    itl_target_ms: float | None = None
+    itl_target_decode_multiple: float | None = None
+    cost_model: StepCostModel | None = None
+    measured_over_predicted: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        ratio = self.measured_over_predicted
+        return {
+            "itl_target_ms": self.itl_target_ms,
+            "itl_target_decode_multiple": self.itl_target_decode_multiple,
+            "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
+            "measured_over_predicted": None if ratio is None else round(ratio, 3),
+        }
+
+
 class StepBudget(Protocol):
-    @property
-    def itl_target_ms(self) -> float | None: ...
-
-    @property
-    def itl_target_decode_multiple(self) -> float | None: ...
-
-    @property
-    def cost_model(self) -> StepCostModel | None: ...
-
     def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
         """Of `token_budget` tokens left after the decodes in `decode`, how many prefill may use;
         `prefill_start` is the deepest cached context any prefill chunk of this step starts at."""
@@ -53,66 +66,42 @@ class StepBudget(Protocol):
 
     def predict_ms(self, shape: StepShape) -> float | None: ...
 
-    @property
-    def measured_over_predicted(self) -> float | None:
-        """The learned ratio of chunked steps' measured to predicted time (None: not corrected)."""
-        ...
-
     def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
         """A finished step's predicted and measured time (the whole loop iteration)."""
         ...
+
+    def report(self) -> StepBudgetReport: ...
 
 
 class FixedBudget:
     """Today's budget: max_num_tokens per step, whatever the step then costs."""
 
     def __init__(self, cost_model: StepCostModel | None = None) -> None:
-        self._cost_model = cost_model
-
-    @property
-    def itl_target_ms(self) -> float | None:
-        return None
-
-    @property
-    def itl_target_decode_multiple(self) -> float | None:
-        return None
-
-    @property
-    def cost_model(self) -> StepCostModel | None:
-        return self._cost_model
+        self.cost_model = cost_model
 
     def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
         return token_budget
 
     def predict_ms(self, shape: StepShape) -> float | None:
-        return None if self._cost_model is None else self._cost_model.predict_ms(shape)
-
-    @property
-    def measured_over_predicted(self) -> float | None:
-        return None
+        return None if self.cost_model is None else self.cost_model.predict_ms(shape)
 
     def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
         return None  # nothing to size
+
+    def report(self) -> StepBudgetReport:
+        return StepBudgetReport(cost_model=self.cost_model)
 
 
 class _CorrectedTarget:
     """What the two target budgets share: the cost model and its online correction."""
 
     def __init__(self, cost_model: StepCostModel, min_chunk_tokens: int) -> None:
-        self._cost_model = cost_model
+        self.cost_model = cost_model
         self.min_chunk_tokens = min_chunk_tokens
         self.correction = StepTimeCorrection()
 
-    @property
-    def cost_model(self) -> StepCostModel | None:
-        return self._cost_model
-
     def predict_ms(self, shape: StepShape) -> float | None:
-        return self._cost_model.predict_ms(shape)
-
-    @property
-    def measured_over_predicted(self) -> float | None:
-        return self.correction.ratio
+        return self.cost_model.predict_ms(shape)
 
     def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
         if has_prefill:
@@ -120,7 +109,7 @@ class _CorrectedTarget:
 
     def _fitting_chunk(self, token_budget: int, target_ms: float, decode: StepShape, prefill_start: int) -> int:
         """The largest chunk whose corrected prediction stays within `target_ms`, >= min_chunk."""
-        fits = self._cost_model.max_prefill_tokens(target_ms / self.correction.ratio, decode, prefill_start)
+        fits = self.cost_model.max_prefill_tokens(target_ms / self.correction.ratio, decode, prefill_start)
         return min(token_budget, max(self.min_chunk_tokens, fits))
 
 
@@ -131,13 +120,8 @@ class LatencyTargetBudget(_CorrectedTarget):
         super().__init__(cost_model, min_chunk_tokens)
         self._target_ms = itl_target_ms
 
-    @property
-    def itl_target_ms(self) -> float | None:
-        return self._target_ms
-
-    @property
-    def itl_target_decode_multiple(self) -> float | None:
-        return None
+    def report(self) -> StepBudgetReport:
+        return StepBudgetReport(self._target_ms, None, self.cost_model, self.correction.ratio)
 
     def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
         return self._fitting_chunk(token_budget, self._target_ms, decode, prefill_start)
@@ -155,13 +139,8 @@ class RelativeTargetBudget(_CorrectedTarget):
         self._multiple = multiple
         self._floor_ms = floor_ms
 
-    @property
-    def itl_target_ms(self) -> float | None:
-        return None  # it moves with the batch: see itl_target_decode_multiple
-
-    @property
-    def itl_target_decode_multiple(self) -> float | None:
-        return self._multiple
+    def report(self) -> StepBudgetReport:  # the target moves with the batch: a multiple, no ms
+        return StepBudgetReport(None, self._multiple, self.cost_model, self.correction.ratio)
 
     def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
         if decode.num_decode_rows == 0:
@@ -169,7 +148,7 @@ class RelativeTargetBudget(_CorrectedTarget):
         # The multiple applies to the uncorrected decode time: the correction is learned on chunked
         # steps, and scaling the target by it too would cancel it out. Where decode-only steps run
         # over their prediction as well, this errs toward smaller chunks (lower gaps).
-        target = max(self._floor_ms, self._multiple * self._cost_model.predict_ms(decode))
+        target = max(self._floor_ms, self._multiple * self.cost_model.predict_ms(decode))
         return self._fitting_chunk(token_budget, target, decode, prefill_start)
 
 

@@ -1,0 +1,41 @@
+"""The step budget: how many prefill tokens each step may take so a step's time stays near an
+inter-token target (docs/design.md §5.6, §6).
+
+    budgets.py          the StepBudget interface (the scheduler's one view of this package), the
+                        fixed / latency-target / relative-target budgets and the one factory
+    cost_model.py       StepCostModel: a step's predicted time from its shape, fitted by calibration
+    time_correction.py  the measured/predicted ratio learned while serving
+    calibration.py      timing steps of known shape on an engine and fitting the cost model (torch:
+                        imported only by what runs an engine, never by the scheduling side)
+"""
+
+from ifb.runtime.step_budget.budgets import (
+    DEFAULT_TARGET_DECODE_MULTIPLE,
+    DEFAULT_TARGET_FLOOR_MS,
+    FixedBudget,
+    LatencyTargetBudget,
+    RelativeTargetBudget,
+    StepBudget,
+    StepBudgetReport,
+    deepest_start,
+    default_itl_target_ms,
+    make_step_budget,
+    step_shape,
+)
+from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
+
+__all__ = [
+    "DEFAULT_TARGET_DECODE_MULTIPLE",
+    "DEFAULT_TARGET_FLOOR_MS",
+    "FixedBudget",
+    "LatencyTargetBudget",
+    "RelativeTargetBudget",
+    "StepBudget",
+    "StepBudgetReport",
+    "StepCostModel",
+    "StepShape",
+    "deepest_start",
+    "default_itl_target_ms",
+    "make_step_budget",
+    "step_shape",
+]
