@@ -27,6 +27,7 @@ from ifb.cli.serving_options import (
 from ifb.runtime.engine_format import ENGINE_JSON
 from ifb.runtime.errors import IfbError
 from ifb.runtime.runtime_config import RuntimeSettings, ServerSettings
+from ifb.runtime.step.engine import set_compute_threads
 
 if TYPE_CHECKING:
     from ifb.llm import LLM
@@ -41,17 +42,6 @@ RUN_OPTION_GROUPS = merge_groups(
         "One-shot prompt (instead of serving)": ("prompt", "max_tokens", "temperature"),
     },
 )
-
-
-def set_compute_threads(threads: int | None) -> None:
-    """torch's intra-op threads for this process; OMP_NUM_THREADS too, because libgomp read it
-    when torch was imported and only processes started from now on (the spawned builder) see it."""
-    if threads is None:
-        return
-    import torch
-
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
 
 
 def _stream_prompt(llm: LLM, prompt: str, max_tokens: int, temperature: float) -> None:

@@ -22,6 +22,7 @@ from ifb.runtime.errors import AdmissionError, IfbError
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.runtime_config import RuntimeSettings
 from ifb.runtime.server.streams import close, first_delta, merge
+from ifb.runtime.step.engine import set_compute_threads
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +50,6 @@ class Delta:
     output: RequestOutput
 
 
-def set_threads(threads: int | None) -> None:
-    """torch's intra-op threads in this replica's process (cli's set_compute_threads, without click)."""
-    if threads is None:
-        return
-    import torch
-
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-
-
 class IfbReplica:
     """Wrapped by `serve.deployment` in deploy.py; Serve calls `record_routing_stats` every
     request_routing_stats_period_s and hands the result to the ingress's router."""
@@ -68,7 +59,7 @@ class IfbReplica:
 
         from ifb.runtime.llm import LLM
 
-        set_threads(threads)
+        set_compute_threads(threads)
         self.llm = LLM(engine, settings)
         self.replica = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serving %s (pid %d)", self.replica, self.llm.model_name, os.getpid())

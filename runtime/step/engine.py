@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -9,6 +10,16 @@ import torch
 from ifb.runtime.engine_format import EngineConfig, kv_pool_shape
 from ifb.runtime.step.backend import StepBackend, StepMode, make_step_backend
 from ifb.runtime.step.step_inputs import StepInputs
+
+
+def set_compute_threads(threads: int | None) -> None:
+    """torch's intra-op threads for this process (`ifb run --threads`, each `ifb serve` replica);
+    OMP_NUM_THREADS too, because libgomp read it when torch was imported and only processes
+    started from now on (the spawned builder) see it."""
+    if threads is None:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def kv_pool_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
