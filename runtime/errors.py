@@ -27,9 +27,5 @@ class QueueFullError(IfbError):
     """Running seats and the waiting queue are both full."""
 
 
-class EngineStepError(IfbError):
-    """The engine step failed; the requests of that step finish with reason `error`."""
-
-
 class EngineUnavailableError(IfbError):
     """The step loop is dead or stuck: nothing new is accepted (HTTP 503)."""

@@ -25,15 +25,6 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
-    @property
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
-
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
