@@ -11,11 +11,8 @@ ENGINE_JSON = "engine.json"
 
 
 def sha256_of_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    with open(path, "rb") as handle:  # file_digest reads in chunks: a weights file is not loaded whole
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def artifact_hashes(folder: Path) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -203,7 +204,7 @@ class EngineConfig:
                 spec=ModelSpec.from_json(read.field("model")),
                 limits=EngineLimits(**read.field("limits")),
                 dtype=dtype,
-                kv_dtype=_kv_dtype(read.optional("kv_dtype") or dtype),
+                kv_dtype=_one_of("kv_dtype", read.optional("kv_dtype") or dtype, DTYPE_BYTES),
                 backend=BackendKind(read.field("backend")),
                 rope_scaling=float(read.field("rope_scaling")),
                 step_package=read.field("step_package"),
@@ -218,7 +219,9 @@ class EngineConfig:
                 tensorrt=_maybe(TensorRTPlanInfo, read.optional("tensorrt")),
                 kernels=None if kernels is None else _kernel_info(kernels),
                 weight_formats=_weight_formats(read.optional("weight_formats") or {}),
-                weight_compute=_weight_compute(read.optional("weight_compute") or "fp32"),
+                weight_compute=_one_of(
+                    "weight_compute", read.optional("weight_compute") or "fp32", WEIGHT_COMPUTE_MODES
+                ),
                 step_constants_external=bool(read.optional("step_constants_external")),
                 cost_model=None if cost_model is None else StepCostModel.from_json(cost_model),
                 artifacts=read.field("artifacts"),
@@ -279,15 +282,10 @@ def _weight_formats(data: dict[str, Any]) -> dict[str, str]:
     return dict(data)
 
 
-def _weight_compute(value: str) -> str:
-    if value not in WEIGHT_COMPUTE_MODES:
-        raise ValueError(f"weight_compute {value!r} not in {', '.join(WEIGHT_COMPUTE_MODES)}")
-    return value
-
-
-def _kv_dtype(value: str) -> str:
-    if value not in DTYPE_BYTES:
-        raise ValueError(f"kv_dtype {value!r} not in {', '.join(DTYPE_BYTES)}")
+def _one_of(name: str, value: str, allowed: Collection[str]) -> str:
+    """`value` of field `name`, refused (naming the allowed values) unless it is one of `allowed`."""
+    if value not in allowed:
+        raise ValueError(f"{name} {value!r} not in {', '.join(allowed)}")
     return value
 
 
