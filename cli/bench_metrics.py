@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -69,14 +71,8 @@ class Slo:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    """Linear interpolation between closest ranks (numpy's default); NaN without values."""
+    return float(np.percentile(values, q)) if len(values) else math.nan
 
 
 def summarize(timings: Sequence[RequestTiming], wall_s: float, slo: Slo) -> dict[str, float]:

@@ -52,9 +52,7 @@ def run_in_process(
 ) -> ModeRun:
     from ifb import LLM, SamplingParams
 
-    settings = {**options, **MODE_OPTIONS[mode]}
-    if mode == "sequential":
-        settings["max_batch_size"] = 1
+    settings = {**options, **MODE_OPTIONS[mode]}  # sequential's max_batch_size=1 wins over --max-batch-size
     with LLM(engine, max_queued_requests=len(workload) + 1, **settings) as llm:
         recorder = None
         if trace is not None:
@@ -108,7 +106,7 @@ def run_in_process(
             llm.config.num_kv_blocks,
         )
         if recorder is not None and trace is not None:
-            recorder.write(trace.with_name(f"{trace.stem}-{mode}{trace.suffix}") if mode else trace)
+            recorder.write(trace.with_name(f"{trace.stem}-{mode}{trace.suffix}"))
     return run
 
 
