@@ -7,6 +7,8 @@ import re
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from ifb.runtime.server.openai_responses import ErrorBody, ErrorInfo
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -28,8 +30,8 @@ def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     kind = _ERROR_TYPES.get(status, "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    body = ErrorBody(error=ErrorInfo(message=message, type=kind, param=param, code=code or kind))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def validation_field(error: RequestValidationError) -> tuple[str, str]:

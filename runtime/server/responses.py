@@ -4,12 +4,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel
 
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
 from ifb.runtime.request import FinishReason
 from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.server.openai_responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    Chunk,
+    CompletionBody,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    ErrorBody,
+    ErrorInfo,
+    RoleChunkChoice,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
 from ifb.runtime.server.tools import TOOL_CALL_OPEN, ToolPlan
 
 TokenText = Callable[[int], str]
@@ -36,60 +57,76 @@ class ResponseShape:
     token_text: TokenText
     tools: ToolPlan | None = None
 
-    @property
-    def chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
-    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        payload = {
-            "id": self.response_id,
-            "object": self.chunk_object,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-        return f"data: {json.dumps(payload)}\n\n"
+    def chunk(self, choices: list[Any], usage: Usage | None = None) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse(
+            Chunk(
+                id=self.response_id, object=kind, created=self.created, model=self.model, choices=choices, usage=usage
+            )
+        )
 
     def role_chunk(self, index: int) -> str:
-        return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        return self.chunk([RoleChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
 
     def error_event(self, output: RequestOutput) -> str:
         """A request that failed mid-stream: its client gets this event, not a silent stop."""
-        error = {"message": output.error or "request failed", "type": "server_error", "code": "request_failed"}
-        return f"data: {json.dumps({'error': error})}\n\n"
+        error = ErrorInfo(message=output.error or "request failed", type="server_error", code="request_failed")
+        return sse(ErrorBody(error=error), exclude_unset=True)  # no `param` key
 
     def stream_for(self, choice: Choice) -> ChoiceStream:
         return ChoiceStream(self, choice)
 
-    def logprobs(self, choice: Choice, outputs: list[RequestOutput]) -> dict[str, Any] | None:
-        if choice.params.logprobs is None:
+    def completion_logprobs(self, choice: Choice, outputs: list[RequestOutput]) -> CompletionLogprobs | None:
+        if not (entries := _entries(choice, outputs)):
             return None
-        return logprobs_block([lp for o in outputs for lp in o.logprobs], self.chat, self.token_text)
+        return CompletionLogprobs(
+            tokens=[self.token_text(e.token_id) for e in entries],
+            token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{self.token_text(t): v for t, v in e.top.items()} for e in entries],
+        )
 
-    def final_body(self, choices: list[Choice], results: list[list[RequestOutput]]) -> dict[str, Any]:
+    def chat_logprobs(self, choice: Choice, outputs: list[RequestOutput]) -> ChatLogprobs | None:
+        """OpenAI's chat logprobs: token text, its UTF-8 bytes, and the top alternatives."""
+        if not (entries := _entries(choice, outputs)):
+            return None
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    **self._token(e.token_id),
+                    logprob=e.logprob,
+                    top_logprobs=[TopLogprob(**self._token(t), logprob=v) for t, v in e.top.items()],
+                )
+                for e in entries
+            ]
+        )
+
+    def _token(self, token_id: int) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "bytes": list(text.encode("utf-8"))}
+
+    def final_body(self, choices: list[Choice], results: list[list[RequestOutput]]) -> CompletionBody:
         bodies = [self._final_choice(choice, outputs) for choice, outputs in zip(choices, results, strict=True)]
-        return {
-            "id": self.response_id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": bodies,
-            "usage": usage(choices, results),
-        }
+        return CompletionBody(
+            id=self.response_id,
+            object="chat.completion" if self.chat else "text_completion",
+            created=self.created,
+            model=self.model,
+            choices=bodies,
+            usage=usage(choices, results),
+        )
 
-    def _final_choice(self, choice: Choice, outputs: list[RequestOutput]) -> dict[str, Any]:
+    def _final_choice(self, choice: Choice, outputs: list[RequestOutput]) -> CompletionChoice | ChatChoice:
         text = "".join(o.new_text for o in outputs)
         reason = outputs[-1].finish_reason.value if outputs and outputs[-1].finish_reason else None
-        logprobs = self.logprobs(choice, outputs)
         if not self.chat:
-            return {"index": choice.index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+            logprobs = self.completion_logprobs(choice, outputs)
+            return CompletionChoice(index=choice.index, text=text, finish_reason=reason, logprobs=logprobs)
         content, calls = self.tools.parse(text) if self.tools is not None else (text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-            reason = "tool_calls"
-        return {"index": choice.index, "message": message, "finish_reason": reason, "logprobs": logprobs}
+        message = ChatMessage(content=content, tool_calls=[ToolCall.model_validate(c) for c in calls] or None)
+        reason = "tool_calls" if calls else reason
+        return ChatChoice(
+            index=choice.index, message=message, finish_reason=reason, logprobs=self.chat_logprobs(choice, outputs)
+        )
 
 
 @dataclass(slots=True)
@@ -100,23 +137,26 @@ class ChoiceStream:
     shape: ResponseShape
     choice: Choice
     held: str = ""
-    shown: list[str] = field(default_factory=list)
 
     def chunks(self, output: RequestOutput) -> list[str]:
         reason = output.finish_reason.value if output.finished and output.finish_reason else None
-        logprobs = self.shape.logprobs(self.choice, [output])
+        index = self.choice.index
         if not self.shape.chat:
-            body = {"index": self.choice.index, "text": output.new_text, "finish_reason": reason, "logprobs": logprobs}
-            return [self.shape.chunk([body])]
+            logprobs = self.shape.completion_logprobs(self.choice, [output])
+            return [
+                self.shape.chunk(
+                    [CompletionChoice(index=index, text=output.new_text, finish_reason=reason, logprobs=logprobs)]
+                )
+            ]
         visible = self._visible(output.new_text)
-        self.shown.append(visible)
+        chat_logprobs = self.shape.chat_logprobs(self.choice, [output])
         out = []
-        if visible or logprobs is not None or not output.finished:
-            delta = {"content": visible} if visible or not output.finished else {}
-            out.append(self._chunk(delta, None, logprobs))
+        if visible or chat_logprobs is not None or not output.finished:
+            delta = Delta(content=visible) if visible or not output.finished else Delta()
+            out.append(self._chunk(delta, None, chat_logprobs))
         if output.finished:
             out.append(self._final_chunk(reason))
-        return [c for c in out if c]
+        return out
 
     def _visible(self, new_text: str) -> str:
         """The text safe to show now; the rest waits for the tool parser at the end."""
@@ -134,19 +174,25 @@ class ChoiceStream:
     def _final_chunk(self, reason: str | None) -> str:
         tools = self.shape.tools
         if tools is None or tools.mode == "none":
-            return self._chunk({}, reason, None)
+            return self._chunk(Delta(), reason, None)
         content, calls = tools.parse(self.held)  # what was held back: calls, or plain text after all
-        delta: dict[str, Any] = {}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-            reason = "tool_calls"
-        if content:
-            delta["content"] = content
-        return self._chunk(delta, reason, None)
+        tool_calls = [ToolCallDelta.model_validate({"index": i, **call}) for i, call in enumerate(calls)]
+        delta = Delta(tool_calls=tool_calls or None, content=content or None)
+        return self._chunk(delta, "tool_calls" if calls else reason, None)
 
-    def _chunk(self, delta: dict[str, Any], reason: str | None, logprobs: dict[str, Any] | None) -> str:
-        body = {"index": self.choice.index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-        return self.shape.chunk([body])
+    def _chunk(self, delta: Delta, reason: str | None, logprobs: ChatLogprobs | None) -> str:
+        return self.shape.chunk(
+            [ChatChunkChoice(index=self.choice.index, delta=delta, finish_reason=reason, logprobs=logprobs)]
+        )
+
+
+def sse(record: BaseModel, exclude_unset: bool = False) -> str:
+    return f"data: {json.dumps(record.model_dump(exclude_unset=exclude_unset))}\n\n"
+
+
+def _entries(choice: Choice, outputs: list[RequestOutput]) -> list[TokenLogprob]:
+    """The logprobs to send: none unless the request asked for them."""
+    return [lp for o in outputs for lp in o.logprobs] if choice.params.logprobs is not None else []
 
 
 def _partial_marker_length(text: str) -> int:
@@ -157,39 +203,12 @@ def _partial_marker_length(text: str) -> int:
     return 0
 
 
-def logprobs_block(entries: list[TokenLogprob], chat: bool, token_text: TokenText) -> dict[str, Any] | None:
-    """OpenAI's logprobs shapes, with token text (and, for chat, its UTF-8 bytes)."""
-    if not entries:
-        return None
-    if chat:
-        return {
-            "content": [
-                {
-                    **_token(e.token_id, token_text),
-                    "logprob": e.logprob,
-                    "top_logprobs": [{**_token(t, token_text), "logprob": v} for t, v in e.top.items()],
-                }
-                for e in entries
-            ]
-        }
-    return {
-        "tokens": [token_text(e.token_id) for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(t): v for t, v in e.top.items()} for e in entries],
-    }
-
-
-def _token(token_id: int, token_text: TokenText) -> dict[str, Any]:
-    text = token_text(token_id)
-    return {"token": text, "bytes": list(text.encode("utf-8"))}
-
-
-def usage(choices: list[Choice], results: list[list[RequestOutput]]) -> dict[str, int]:
+def usage(choices: list[Choice], results: list[list[RequestOutput]]) -> Usage:
     """Each prompt counts once, however many choices (n) answer it."""
     prompts = {c.prompt_index: len(c.prompt_token_ids) for c in choices}
     prompt_tokens = sum(prompts.values())
     completion = sum(r[-1].num_output_tokens for r in results if r)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
 def first_error(results: list[list[RequestOutput]]) -> str | None:

@@ -106,7 +106,7 @@ class Routes:
         error = first_error(results)
         if error is not None:  # a choice failed inside the engine: not a 200
             return error_response(500, error, code="request_failed")
-        return JSONResponse(shape.final_body(choices, results))
+        return JSONResponse(shape.final_body(choices, results).model_dump())
 
     async def _stream(
         self, shape: ResponseShape, choices: list[Choice], streams: list[Any], body: OpenAIRequest
