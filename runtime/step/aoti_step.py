@@ -72,24 +72,17 @@ class _Container:
         if code != 0:  # the library has printed the C++ exception to stderr
             raise RuntimeError(f"compiled step: AOTInductor {what} failed (code {code})")
 
+    def _constant_text(self, function: str, index: int) -> str:
+        value = ctypes.c_char_p()
+        self._check(getattr(self.lib, function)(self.handle, ctypes.c_size_t(index), ctypes.byref(value)), function)
+        return (value.value or b"").decode()
+
     def constant_names(self) -> dict[str, str]:
         """Each constant's name in the library -> the network's name for it (its original FQN)."""
         names: dict[str, str] = {}
         for index in range(self._count("AOTInductorModelContainerGetNumConstants")):
-            name, fqn = ctypes.c_char_p(), ctypes.c_char_p()
-            self._check(
-                self.lib.AOTInductorModelContainerGetConstantName(
-                    self.handle, ctypes.c_size_t(index), ctypes.byref(name)
-                ),
-                "GetConstantName",
-            )
-            self._check(
-                self.lib.AOTInductorModelContainerGetConstantOriginalFQN(
-                    self.handle, ctypes.c_size_t(index), ctypes.byref(fqn)
-                ),
-                "GetConstantOriginalFQN",
-            )
-            names[(name.value or b"").decode()] = (fqn.value or b"").decode()
+            name = self._constant_text("AOTInductorModelContainerGetConstantName", index)
+            names[name] = self._constant_text("AOTInductorModelContainerGetConstantOriginalFQN", index)
         return names
 
     def use_constants(self, constants: dict[str, torch.Tensor]) -> None:

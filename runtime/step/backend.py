@@ -71,9 +71,8 @@ class NetworkStep:
 def _cpu_step(config: EngineConfig) -> StepBackend:
     from ifb.runtime.step.aoti_step import AotiStep
 
-    if not config.step_constants_external:
-        return AotiStep(config.step_package_path)
-    return AotiStep(config.step_package_path, step_constants(config))
+    constants = step_constants(config) if config.step_constants_external else None
+    return AotiStep(config.step_package_path, constants)
 
 
 def step_constants(config: EngineConfig) -> dict[str, torch.Tensor]:
