@@ -37,8 +37,9 @@ class CapacityPolicy(Protocol):
     def choose_victim(self, running: Sequence[Request]) -> Request | None: ...
 
 
-class GuaranteedNoEvict:
-    """Admit only if blocks to completion fit beside every admitted request's remaining need."""
+class _AdmitAnyStep:
+    """What the in-flight policies share: a request may be seated at any step, and only when it
+    can start computing in that step."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -47,7 +48,11 @@ class GuaranteedNoEvict:
         return True
 
     def admission_token_budget(self, budget: int) -> int:
-        return budget  # a request is seated only when it can start computing this step
+        return budget
+
+
+class GuaranteedNoEvict(_AdmitAnyStep):
+    """Admit only if blocks to completion fit beside every admitted request's remaining need."""
 
     def can_admit(self, request: Request, prefix_hits: list[int], first_chunk: int, running: Sequence[Request]) -> bool:
         reserved = sum(self.kv.blocks_needed_to_completion(r) for r in running)
@@ -59,17 +64,8 @@ class GuaranteedNoEvict:
         return None  # never preempts; admission reserved every block a request can need
 
 
-class MaxUtilization:
+class MaxUtilization(_AdmitAnyStep):
     """Admit while this step's blocks fit; when short, preempt the least-progressed request."""
-
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.kv = kv
-
-    def may_admit_now(self, num_running_at_step_start: int) -> bool:
-        return True
-
-    def admission_token_budget(self, budget: int) -> int:
-        return budget
 
     def can_admit(self, request: Request, prefix_hits: list[int], first_chunk: int, running: Sequence[Request]) -> bool:
         total = self.kv.blocks_for_tokens(len(prefix_hits) * self.kv.block_size + first_chunk)
