@@ -12,47 +12,35 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ifb.runtime.drain_rate import DrainRate
-from ifb.runtime.engine_client import HealthReport, Job, ModelInfo
-from ifb.runtime.engine_format import EngineConfig
+from ifb.runtime.engine_client import HealthReport, Job
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
 from ifb.runtime.executor import Executor
-from ifb.runtime.frontend import Frontend, PreparedRequest, Prompt
+from ifb.runtime.frontend import PreparedRequest, Prompt
+from ifb.runtime.frontend_client import FrontendClient
 from ifb.runtime.health_report import health_body
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.metrics import Metrics
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
 from ifb.runtime.policies import make_capacity_policy, make_chunking_policy
 from ifb.runtime.request_channel import RequestChannel
-from ifb.runtime.runtime_config import RuntimeConfig, RuntimeSettings, resolve_runtime_config
+from ifb.runtime.runtime_config import RuntimeSettings
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step_budget import FixedBudget, StepBudget, StepCostModel, make_step_budget
 
-T = TypeVar("T")
-FRONTEND_WORKERS = 2  # concurrent tokenizations/compiles for async callers: bounded, off the loop
 
-
-class LLM:
+class LLM(FrontendClient):
     def __init__(self, engine: str | Path, settings: RuntimeSettings | None = None, **overrides: Any) -> None:
         """`engine` is an engine folder; `overrides` are RuntimeSettings fields by name."""
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
-
-        self.settings = dataclasses.replace(settings or RuntimeSettings(), **overrides)
-        self.engine_config = EngineConfig.load(engine)
-        self.config: RuntimeConfig = resolve_runtime_config(self.engine_config, self.settings)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_path))
-        self.frontend = Frontend(self.engine_config, self.config, self.tokenizer, self.settings.chat_template)
+        super().__init__(engine, dataclasses.replace(settings or RuntimeSettings(), **overrides))
         self.executor = Executor(
             self._load_engine, self._make_scheduler(), self.tokenizer, queue_timeout_s=self.config.queue_timeout
         )
@@ -60,7 +48,6 @@ class LLM:
         self.metrics = Metrics(self.executor)
         self._drain = DrainRate()
         self.executor.finish_listeners.append(lambda request: self._drain.record_finish())
-        self._workers = ThreadPoolExecutor(max_workers=FRONTEND_WORKERS, thread_name_prefix="ifb-frontend")
         self.executor.start()
 
     def _make_scheduler(self) -> Scheduler:
@@ -96,33 +83,7 @@ class LLM:
         assert self.executor.engine is not None
         return self.executor.engine
 
-    @property
-    def model_name(self) -> str:
-        return self.engine_config.model_name
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return ModelInfo(self.engine_config.model_name, self.engine_config.limits.max_seq_len)
-
-    @property
-    def capacity(self) -> int:
-        return self.channel.gate.capacity
-
     # -- requests -----------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return self.frontend.tokenize(prompt)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        return self.frontend.apply_chat_template(messages, tools)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.frontend.detokenize(token_ids)
-
-    def token_text(self, token_id: int) -> str:
-        return self.frontend.token_text(token_id)
-
     def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
         """Validate (AdmissionError naming the field) and compile any constraint."""
         return self.frontend.prepare(prompt_token_ids, params)
@@ -182,10 +143,6 @@ class LLM:
         return self.channel.iterate(prepared)
 
     # -- async --------------------------------------------------------------------------------
-    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
-        """Run blocking frontend work (tokenize, chat template, compile) on the bounded pool."""
-        return await asyncio.get_running_loop().run_in_executor(self._workers, function, *args)
-
     async def open_streams(
         self, jobs: Sequence[Job], block: bool = False, count_refusal: bool = True
     ) -> list[AsyncIterator[RequestOutput]]:
@@ -238,8 +195,7 @@ class LLM:
 
     def close(self) -> None:
         self.executor.shutdown()
-        self.frontend.close()
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
     def __enter__(self) -> LLM:
         return self

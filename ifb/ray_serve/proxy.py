@@ -14,76 +14,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ifb.ray_serve import aggregate
 from ifb.ray_serve.affinity import router_for
 from ifb.ray_serve.replica import Delta, Opened, Refused
 from ifb.ray_serve.report import ReplicaView
 from ifb.runtime.drain_rate import MIN_RETRY_S
-from ifb.runtime.engine_client import HealthReport, Job, ModelInfo
-from ifb.runtime.engine_format import EngineConfig
+from ifb.runtime.engine_client import HealthReport, Job
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, IfbError, QueueFullError
-from ifb.runtime.frontend import Frontend, Prompt
+from ifb.runtime.frontend_client import FrontendClient
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason
-from ifb.runtime.runtime_config import RuntimeConfig, RuntimeSettings, resolve_runtime_config
+from ifb.runtime.runtime_config import RuntimeSettings
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-FRONTEND_WORKERS = 2
 _REFUSALS: dict[str, type[IfbError]] = {
     "QueueFullError": QueueFullError,
     "EngineUnavailableError": EngineUnavailableError,
 }
 
 
-class ReplicaSetLLM:
+class ReplicaSetLLM(FrontendClient):
     def __init__(self, engine: str | Path, settings: RuntimeSettings, handle: Any, num_replicas: int) -> None:
         """`handle`: the replica deployment's DeploymentHandle."""
-        from transformers import AutoTokenizer
-
-        self.settings = settings
-        self.engine_config = EngineConfig.load(engine, verify=False)  # the replicas verify what they load
-        self.config: RuntimeConfig = resolve_runtime_config(self.engine_config, settings)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.engine_config.tokenizer_path))
-        self.frontend = Frontend(self.engine_config, self.config, self.tokenizer, settings.chat_template)
+        super().__init__(engine, settings, verify=False)  # the replicas verify what they load
         self.deployment_name = handle.deployment_name
         self.num_replicas = num_replicas
         self._generate = handle.options(method_name="generate", stream=True)
-        self._workers = ThreadPoolExecutor(max_workers=FRONTEND_WORKERS, thread_name_prefix="ifb-frontend")
         self._calls: dict[str, _Call] = {}  # request id -> the call carrying it, until it finished
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return ModelInfo(self.engine_config.model_name, self.engine_config.limits.max_seq_len)
-
-    @property
-    def capacity(self) -> int:
-        """One replica's admission limit: every choice of a response is seated on one replica."""
-        return self.config.max_batch_size + self.config.max_queued_requests
-
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return self.frontend.tokenize(prompt)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        return self.frontend.apply_chat_template(messages, tools)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.frontend.detokenize(token_ids)
-
-    def token_text(self, token_id: int) -> str:
-        return self.frontend.token_text(token_id)
-
-    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._workers, function, *args)
 
     async def open_streams(
         self, jobs: Sequence[Job], block: bool = False, count_refusal: bool = True
@@ -153,9 +116,6 @@ class ReplicaSetLLM:
         # Finishes happen in the replicas and are not reported here; the ingress only retries a
         # refusal on the other replicas, so a 429 means all are full: the shortest wait.
         return MIN_RETRY_S
-
-    def close(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
 
 
 def _is_replica_failure(error: Exception) -> bool:
