@@ -216,7 +216,7 @@ def build_engine(
     options: BuildOptions,
     on_stage: Callable[[str], None] = lambda stage: None,
 ) -> BuildSummary:
-    """Build an engine folder at `output` (atomically); see design.md §3."""
+    """Build an engine folder at `output` (atomically); see docs/design.md §5.4."""
     compiler = compiler_for(options.backend)
     check_kv_dtype_option(options.kv_dtype, options.backend)  # first: refuse an unusable option pair
     build_dtype(options)  # before any work (and before the tensorrt backend looks for a GPU)
