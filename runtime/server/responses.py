@@ -12,25 +12,7 @@ from pydantic import BaseModel
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
 from ifb.runtime.request import FinishReason
 from ifb.runtime.sampling_params import SamplingParams
-from ifb.runtime.server.openai_responses import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatLogprobs,
-    ChatMessage,
-    ChatTokenLogprob,
-    Chunk,
-    CompletionBody,
-    CompletionChoice,
-    CompletionLogprobs,
-    Delta,
-    ErrorBody,
-    ErrorInfo,
-    RoleChunkChoice,
-    ToolCall,
-    ToolCallDelta,
-    TopLogprob,
-    Usage,
-)
+from ifb.runtime.server import openai_responses as wire
 from ifb.runtime.server.tools import TOOL_CALL_OPEN, ToolPlan
 
 TokenText = Callable[[int], str]
@@ -57,44 +39,43 @@ class ResponseShape:
     token_text: TokenText
     tools: ToolPlan | None = None
 
-    def chunk(self, choices: list[Any], usage: Usage | None = None) -> str:
+    def chunk(self, choices: list[Any], usage: wire.Usage | None = None) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return sse(
-            Chunk(
-                id=self.response_id, object=kind, created=self.created, model=self.model, choices=choices, usage=usage
-            )
-        )
+        return sse(wire.Chunk(**self._head(kind), choices=choices, usage=usage))
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.response_id, "object": kind, "created": self.created, "model": self.model}
 
     def role_chunk(self, index: int) -> str:
-        return self.chunk([RoleChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+        return self.chunk([wire.RoleChunkChoice(index=index, delta=wire.Delta(role="assistant", content=""))])
 
     def error_event(self, output: RequestOutput) -> str:
         """A request that failed mid-stream: its client gets this event, not a silent stop."""
-        error = ErrorInfo(message=output.error or "request failed", type="server_error", code="request_failed")
-        return sse(ErrorBody(error=error), exclude_unset=True)  # no `param` key
+        error = wire.ErrorInfo(message=output.error or "request failed", type="server_error", code="request_failed")
+        return sse(wire.ErrorBody(error=error), exclude_unset=True)  # no `param` key
 
     def stream_for(self, choice: Choice) -> ChoiceStream:
         return ChoiceStream(self, choice)
 
-    def completion_logprobs(self, choice: Choice, outputs: list[RequestOutput]) -> CompletionLogprobs | None:
+    def completion_logprobs(self, choice: Choice, outputs: list[RequestOutput]) -> wire.CompletionLogprobs | None:
         if not (entries := _entries(choice, outputs)):
             return None
-        return CompletionLogprobs(
+        return wire.CompletionLogprobs(
             tokens=[self.token_text(e.token_id) for e in entries],
             token_logprobs=[e.logprob for e in entries],
             top_logprobs=[{self.token_text(t): v for t, v in e.top.items()} for e in entries],
         )
 
-    def chat_logprobs(self, choice: Choice, outputs: list[RequestOutput]) -> ChatLogprobs | None:
+    def chat_logprobs(self, choice: Choice, outputs: list[RequestOutput]) -> wire.ChatLogprobs | None:
         """OpenAI's chat logprobs: token text, its UTF-8 bytes, and the top alternatives."""
         if not (entries := _entries(choice, outputs)):
             return None
-        return ChatLogprobs(
+        return wire.ChatLogprobs(
             content=[
-                ChatTokenLogprob(
+                wire.ChatTokenLogprob(
                     **self._token(e.token_id),
                     logprob=e.logprob,
-                    top_logprobs=[TopLogprob(**self._token(t), logprob=v) for t, v in e.top.items()],
+                    top_logprobs=[wire.TopLogprob(**self._token(t), logprob=v) for t, v in e.top.items()],
                 )
                 for e in entries
             ]
@@ -104,27 +85,21 @@ class ResponseShape:
         text = self.token_text(token_id)
         return {"token": text, "bytes": list(text.encode("utf-8"))}
 
-    def final_body(self, choices: list[Choice], results: list[list[RequestOutput]]) -> CompletionBody:
+    def final_body(self, choices: list[Choice], results: list[list[RequestOutput]]) -> wire.CompletionBody:
         bodies = [self._final_choice(choice, outputs) for choice, outputs in zip(choices, results, strict=True)]
-        return CompletionBody(
-            id=self.response_id,
-            object="chat.completion" if self.chat else "text_completion",
-            created=self.created,
-            model=self.model,
-            choices=bodies,
-            usage=usage(choices, results),
-        )
+        kind = "chat.completion" if self.chat else "text_completion"
+        return wire.CompletionBody(**self._head(kind), choices=bodies, usage=usage(choices, results))
 
-    def _final_choice(self, choice: Choice, outputs: list[RequestOutput]) -> CompletionChoice | ChatChoice:
+    def _final_choice(self, choice: Choice, outputs: list[RequestOutput]) -> wire.CompletionChoice | wire.ChatChoice:
         text = "".join(o.new_text for o in outputs)
         reason = outputs[-1].finish_reason.value if outputs and outputs[-1].finish_reason else None
         if not self.chat:
             logprobs = self.completion_logprobs(choice, outputs)
-            return CompletionChoice(index=choice.index, text=text, finish_reason=reason, logprobs=logprobs)
+            return wire.CompletionChoice(index=choice.index, text=text, finish_reason=reason, logprobs=logprobs)
         content, calls = self.tools.parse(text) if self.tools is not None else (text, [])
-        message = ChatMessage(content=content, tool_calls=[ToolCall.model_validate(c) for c in calls] or None)
+        message = wire.ChatMessage(content=content, tool_calls=[wire.ToolCall.model_validate(c) for c in calls] or None)
         reason = "tool_calls" if calls else reason
-        return ChatChoice(
+        return wire.ChatChoice(
             index=choice.index, message=message, finish_reason=reason, logprobs=self.chat_logprobs(choice, outputs)
         )
 
@@ -143,16 +118,13 @@ class ChoiceStream:
         index = self.choice.index
         if not self.shape.chat:
             logprobs = self.shape.completion_logprobs(self.choice, [output])
-            return [
-                self.shape.chunk(
-                    [CompletionChoice(index=index, text=output.new_text, finish_reason=reason, logprobs=logprobs)]
-                )
-            ]
+            body = wire.CompletionChoice(index=index, text=output.new_text, finish_reason=reason, logprobs=logprobs)
+            return [self.shape.chunk([body])]
         visible = self._visible(output.new_text)
         chat_logprobs = self.shape.chat_logprobs(self.choice, [output])
         out = []
         if visible or chat_logprobs is not None or not output.finished:
-            delta = Delta(content=visible) if visible or not output.finished else Delta()
+            delta = wire.Delta(content=visible if visible or not output.finished else None)
             out.append(self._chunk(delta, None, chat_logprobs))
         if output.finished:
             out.append(self._final_chunk(reason))
@@ -174,16 +146,15 @@ class ChoiceStream:
     def _final_chunk(self, reason: str | None) -> str:
         tools = self.shape.tools
         if tools is None or tools.mode == "none":
-            return self._chunk(Delta(), reason, None)
+            return self._chunk(wire.Delta(), reason, None)
         content, calls = tools.parse(self.held)  # what was held back: calls, or plain text after all
-        tool_calls = [ToolCallDelta.model_validate({"index": i, **call}) for i, call in enumerate(calls)]
-        delta = Delta(tool_calls=tool_calls or None, content=content or None)
+        tool_calls = [wire.ToolCallDelta.model_validate({"index": i, **call}) for i, call in enumerate(calls)]
+        delta = wire.Delta(tool_calls=tool_calls or None, content=content or None)
         return self._chunk(delta, "tool_calls" if calls else reason, None)
 
-    def _chunk(self, delta: Delta, reason: str | None, logprobs: ChatLogprobs | None) -> str:
-        return self.shape.chunk(
-            [ChatChunkChoice(index=self.choice.index, delta=delta, finish_reason=reason, logprobs=logprobs)]
-        )
+    def _chunk(self, delta: wire.Delta, reason: str | None, logprobs: wire.ChatLogprobs | None) -> str:
+        choice = wire.ChatChunkChoice(index=self.choice.index, delta=delta, finish_reason=reason, logprobs=logprobs)
+        return self.shape.chunk([choice])
 
 
 def sse(record: BaseModel, exclude_unset: bool = False) -> str:
@@ -203,12 +174,14 @@ def _partial_marker_length(text: str) -> int:
     return 0
 
 
-def usage(choices: list[Choice], results: list[list[RequestOutput]]) -> Usage:
+def usage(choices: list[Choice], results: list[list[RequestOutput]]) -> wire.Usage:
     """Each prompt counts once, however many choices (n) answer it."""
     prompts = {c.prompt_index: len(c.prompt_token_ids) for c in choices}
     prompt_tokens = sum(prompts.values())
     completion = sum(r[-1].num_output_tokens for r in results if r)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+    return wire.Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+    )
 
 
 def first_error(results: list[list[RequestOutput]]) -> str | None:
