@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,8 @@ def alone_outputs(tiny_llama_engine: Path) -> dict[int, list[int]]:
 
 
 def run_arriving_over_time(llm: LLM, items: list[tuple[list[int], int]], seed: int) -> dict[int, list[int]]:
+    """Submit the items one by one and let the executor take one step after about half of them
+    (StepGate), so arrivals and steps interleave the same way on any machine; then run to the end."""
     rng = random.Random(seed)
     results: dict[int, list[int]] = {}
     done = threading.Event()
@@ -57,11 +59,20 @@ def run_arriving_over_time(llm: LLM, items: list[tuple[list[int], int]], seed: i
 
         return sink
 
-    for index, (prompt, n) in enumerate(items):
-        llm.submit(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink_for(index, []))
-        if rng.random() < 0.5:
-            time.sleep(rng.random() * 0.004)
-    assert done.wait(120), "requests did not finish"
+    with StepGate(llm.executor) as gate:
+        granted = [0]  # steps the executor may have taken so far
+        gate.allow = lambda batch: len(gate.batch_sizes) < granted[0]
+
+        def granted_step_taken(submitted: int) -> Callable[[], bool]:  # or none can be: all ended
+            return lambda: len(gate.batch_sizes) == granted[0] or len(results) == submitted
+
+        for index, (prompt, n) in enumerate(items):
+            llm.submit(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink_for(index, []))
+            if rng.random() < 0.5:
+                granted[0] += 1
+                wait_until(granted_step_taken(index + 1), 30, "the granted step")
+        gate.allow = lambda batch: True
+        assert done.wait(120), "requests did not finish"
     return results
 
 
