@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
@@ -137,24 +138,20 @@ class _Common(BaseModel):
                 f"seed + n - 1 must stay <= {SEED_MAX} (each choice samples with seed + its index)", field="seed"
             )
         return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            **{name: getattr(self, name) for name in _SAME_NAMED},
             logit_bias=bias,
             seed=seed,
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
             logprobs=self.logprobs_count(),
-            cache_salt=self.cache_salt,
             guided=self.guided(),
         )
+
+
+# The SamplingParams fields a body carries as they are, under the same name; the converted ones
+# are passed by sampling_params itself.
+_CONVERTED = {"logit_bias", "seed", "stop", "stop_token_ids", "logprobs", "guided"}
+_SAME_NAMED = {f.name for f in dataclasses.fields(SamplingParams)} & _Common.model_fields.keys() - _CONVERTED
 
 
 def _token_key(key: str) -> int:
