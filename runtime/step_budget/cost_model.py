@@ -35,13 +35,8 @@ class StepShape:
         return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
     def features(self) -> tuple[float, ...]:
-        return (
-            1.0,
-            float(self.num_prefill_tokens),
-            float(self.num_decode_rows),
-            float(self.num_decode_context_tokens),
-            float(self.num_prefill_pairs),
-        )
+        """1 (for base_ms), then every field in order: one per coefficient of StepCostModel."""
+        return (1.0, *(float(getattr(self, f.name)) for f in fields(self)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +50,8 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> tuple[float, ...]:
-        return (
-            self.base_ms,
-            self.per_prefill_token_ms,
-            self.per_decode_row_ms,
-            self.per_decode_context_ms,
-            self.per_prefill_pair_ms,
-        )
+        """Every field but the fit's error, in the order of StepShape.features."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "max_relative_error")
 
     def predict_ms(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients, shape.features(), strict=True))
