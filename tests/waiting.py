@@ -23,7 +23,7 @@ GATE_TIMEOUT_S = 60.0  # how long a held step waits for its rule before it fails
 
 
 def wait_until(
-    condition: Callable[[], T],
+    condition: Callable[[], T | None],
     timeout_s: float,
     what: str,
     *,

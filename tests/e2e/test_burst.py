@@ -27,8 +27,9 @@ def test_burst_with_abandoning_clients_leaks_nothing(tiny_llama_engine: Path) ->
         def abandoned_ones_wait(batch: ScheduledBatch) -> bool:  # abandoning clients send 3-token prompts
             for item in batch.requests:
                 request = gate.submitted.get(item.request_id)
-                started = request is not None and gate.steps[item.request_id] >= HOLD_AT
-                if started and request.num_prompt_tokens == 3 and item.request_id not in gate.aborted:
+                if request is None or gate.steps[item.request_id] < HOLD_AT or item.request_id in gate.aborted:
+                    continue
+                if request.num_prompt_tokens == 3:
                     return False
             return True
 
