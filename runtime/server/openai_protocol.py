@@ -129,9 +129,7 @@ class _Common(BaseModel):
 
     def sampling_params(self, index: int = 0) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        bias: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            bias[_token_key(key)] = value
+        bias = {_token_key(key): value for key, value in (self.logit_bias or {}).items()}
         seed = None if self.seed is None else self.seed + index  # n > 1: distinct, reproducible
         if seed is not None and seed > SEED_MAX:
             raise AdmissionError(
