@@ -162,10 +162,6 @@ class Sampler:
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         tops: list[dict[int, float]] = []
         for row, request in enumerate(requests):
-            n = request.params.logprobs or 0
-            if n:
-                values, index = raw_logprobs[row].topk(n)
-                tops.append(dict(zip(index.tolist(), values.tolist(), strict=True)))
-            else:
-                tops.append({})
+            values, index = raw_logprobs[row].topk(request.params.logprobs or 0)  # topk(0): {}
+            tops.append(dict(zip(index.tolist(), values.tolist(), strict=True)))
         return SampleResult(token_list, chosen, tops)
