@@ -44,37 +44,31 @@ class OutputProcessor:
         return stops
 
     def token_output(self, live: LiveRequest, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        return self._output(live, (token,), (logprob,) if logprob is not None else ())
+
+    def final_output(self, live: LiveRequest) -> RequestOutput:
+        """The end of a request that finished outside a token (abort, error, shutdown)."""
+        return self._output(live, (), ())
+
+    @staticmethod
+    def _output(live: LiveRequest, new_token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...]) -> RequestOutput:
+        """One delta; a finished request's carries its end (only a request that never got a
+        token can have timed out in the queue, so a token's delta always says False there)."""
         request = live.request
         final = request.state.is_finished
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=(token,),
+            new_token_ids=new_token_ids,
             new_text=live.detokenizer.take(final),
             finished=final,
             finish_reason=request.finish_reason,
-            logprobs=(logprob,) if logprob is not None else (),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_prefix_hit_tokens,
-            error=request.error,
-            **(_timings(request) if final else {}),
-        )
-
-    def final_output(self, live: LiveRequest) -> RequestOutput:
-        """The end of a request that finished outside a token (abort, error, shutdown)."""
-        request = live.request
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=(),
-            new_text=live.detokenizer.take(True),
-            finished=True,
-            finish_reason=request.finish_reason,
+            logprobs=logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_prefix_hit_tokens,
             error=request.error,
             timed_out_in_queue=request.timed_out_in_queue,
-            **_timings(request),
+            **(_timings(request) if final else {}),
         )
 
 
