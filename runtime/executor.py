@@ -249,9 +249,7 @@ class Executor:
         for live, output in zip(produced, outputs, strict=True):
             self._deliver(live, output)
         self._tokens_since_summary += len(sampled)
-        if batch.predicted_ms is not None:
-            measured_ms = (time.perf_counter() - start) * 1e3
-            self.scheduler.observe_step(batch, measured_ms)
+        self.scheduler.observe_step(batch, (time.perf_counter() - start) * 1e3)  # if it was predicted
         self._record(batch, start)
 
     def _run_engine(

@@ -44,7 +44,7 @@ class LLM(FrontendClient):
         self.executor = Executor(
             self._load_engine, self._make_scheduler(), self.tokenizer, queue_timeout_s=self.config.queue_timeout
         )
-        self.channel = RequestChannel(self.executor, self.config.max_batch_size + self.config.max_queued_requests)
+        self.channel = RequestChannel(self.executor, self.capacity)
         self.metrics = Metrics(self.executor)
         self._drain = DrainRate()
         self.executor.finish_listeners.append(lambda request: self._drain.record_finish())
