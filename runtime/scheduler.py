@@ -44,7 +44,6 @@ class ScheduledRequest:
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
     requests: tuple[ScheduledRequest, ...]
-    preempted_ids: tuple[str, ...] = ()
     predicted_ms: float | None = None  # the step budget's cost model, when it has one
 
     @property
@@ -94,10 +93,6 @@ class Scheduler:
         return True
 
     @property
-    def live_requests(self) -> list[Request]:
-        return [*self.running, *self.waiting]
-
-    @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
@@ -106,11 +101,10 @@ class Scheduler:
         num_running_at_start = len(self.running)
         budget = self.config.max_num_tokens
         chosen: dict[str, tuple[Request, int]] = {}  # by request id, in step order
-        preempted: list[str] = []
         for request in [r for r in self.running if r.num_tokens_to_compute == 1]:
             if request.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this loop
-            if self._reserve(request, 1, preempted, chosen):
+            if self._reserve(request, 1, chosen):
                 chosen[request.request_id] = (request, 1)
                 budget -= 1
         prefilling = [r for r in self.running if r.num_tokens_to_compute > 1]
@@ -128,14 +122,12 @@ class Scheduler:
             prefill_budget, self.step_budget.prefill_token_budget(budget, decodes, deepest_start(prefilling))
         )
         for request, size in self.chunking.split(prefilling, prefill_budget, self.kv.block_size):
-            if request.state is RequestState.RUNNING and self._reserve(request, size, preempted, chosen):
+            if request.state is RequestState.RUNNING and self._reserve(request, size, chosen):
                 chosen[request.request_id] = (request, size)
         batch = tuple(ScheduledRequest(r, n, r.num_computed_tokens + n == r.num_tokens) for r, n in chosen.values())
-        return ScheduledBatch(batch, tuple(preempted), self.step_budget.predict_ms(step_shape(chosen.values())))
+        return ScheduledBatch(batch, self.step_budget.predict_ms(step_shape(chosen.values())))
 
-    def _reserve(
-        self, request: Request, num_tokens: int, preempted: list[str], chosen: dict[str, tuple[Request, int]]
-    ) -> bool:
+    def _reserve(self, request: Request, num_tokens: int, chosen: dict[str, tuple[Request, int]]) -> bool:
         """Allocate blocks for this step, preempting (policy permitting) until they fit."""
         while not self.kv.allocate(request, num_tokens):
             victims = [r for r in self.running if r.request_id not in chosen]
@@ -144,7 +136,6 @@ class Scheduler:
                 self.stats.stalls_no_capacity += 1
                 return False
             self._preempt(victim)
-            preempted.append(victim.request_id)
             if victim is request:
                 return False
         return True
