@@ -12,7 +12,7 @@ prompt is evicted before its shared beginning.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -153,10 +153,7 @@ class KVCacheManager:
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self, live_requests: Iterable[Request]) -> None:
         """free + used == total; ref counts equal the live block tables' references."""
-        expected = [0] * self.num_blocks
-        for request in live_requests:
-            for block_id in request.block_ids:
-                expected[block_id] += 1
+        expected = Counter(block_id for request in live_requests for block_id in request.block_ids)
         for block in self.blocks:
             assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
             assert block.ref_count == expected[block.block_id], (
