@@ -5,26 +5,25 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from ifb.builder.build import BuildOptions
 from ifb.builder.errors import BuildError
 from ifb.cli.logging_setup import configure_logging
 from ifb.cli.option_groups import GroupedCommand
 from ifb.cli.serving_options import (
     SERVING_OPTION_GROUPS,
     build_options_for,
-    check_engine_folder,
+    checked_engine_folder,
     effective_log_level,
     merge_groups,
     runtime_settings,
     server_settings,
     serving_options,
 )
-from ifb.runtime.engine_format import ENGINE_JSON
 from ifb.runtime.errors import IfbError
 from ifb.runtime.runtime_config import RuntimeSettings, ServerSettings
 from ifb.runtime.step.engine import set_compute_threads
@@ -108,7 +107,7 @@ def run(ctx: click.Context, target: str | None, **params: Any) -> None:
     server = server_settings(params, os.environ)
     set_compute_threads(params["threads"])
     settings = runtime_settings(params)
-    llm = _load_llm(target, params["dtype"], params["max_model_len"], settings, build_options_for(params))
+    llm = _load_llm(target, params, settings)
     recorder = None
     trace: Path | None = params["trace"]
     if trace is not None:
@@ -126,16 +125,13 @@ def run(ctx: click.Context, target: str | None, **params: Any) -> None:
             recorder.write(trace)
 
 
-def _load_llm(
-    target: str | None, dtype: str, max_model_len: int | None, settings: RuntimeSettings, build_options: BuildOptions
-) -> LLM:
+def _load_llm(target: str | None, params: Mapping[str, Any], settings: RuntimeSettings) -> LLM:
     """The LLM for TARGET, after checking an engine folder against --dtype / --max-model-len."""
     from ifb.llm import LLM
 
     try:
-        if target is not None and (Path(target) / ENGINE_JSON).is_file():
-            check_engine_folder(Path(target), dtype, max_model_len)
-        llm = LLM(target, settings=settings, build_options=build_options)
+        checked_engine_folder(target, params)
+        llm = LLM(target, settings=settings, build_options=build_options_for(params))
     except (IfbError, BuildError) as error:
         raise click.ClickException(str(error)) from None
     limits = llm.engine_config.limits

@@ -7,26 +7,25 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ifb.builder.build import BuildOptions
 from ifb.cli.field_options import field_options, from_params
 from ifb.cli.logging_setup import configure_logging
 from ifb.cli.option_groups import GroupedCommand
 from ifb.cli.serving_options import (
     SERVING_OPTION_GROUPS,
     build_options_for,
-    check_engine_folder,
+    checked_engine_folder,
     effective_log_level,
     merge_groups,
     runtime_settings,
     server_settings,
     serving_options,
 )
-from ifb.runtime.engine_format import ENGINE_JSON
 from ifb.runtime.errors import IfbError
 from ifb.runtime.runtime_config import ServeOptions
 
@@ -37,17 +36,17 @@ SERVE_OPTION_GROUPS = merge_groups(
 )
 
 
-def _engine_folder(target: str | None, dtype: str, max_model_len: int | None, build_options: BuildOptions) -> Path:
+def _engine_folder(target: str | None, params: Mapping[str, Any]) -> Path:
     """An engine folder as given (checked against --dtype / --max-model-len), else the one ifb
-    built (or builds now, with `build_options`) for the SOURCE."""
-    if target is not None and (Path(target) / ENGINE_JSON).is_file():
-        check_engine_folder(Path(target), dtype, max_model_len)
-        return Path(target)
+    built (or builds now, with the flags' build options) for the SOURCE."""
+    folder = checked_engine_folder(target, params)
+    if folder is not None:
+        return folder
     from ifb.builder.errors import BuildError
     from ifb.find_or_build import DEFAULT_ENGINES_DIR, find_or_build_engine
 
     try:
-        return Path(find_or_build_engine(target, build_options, DEFAULT_ENGINES_DIR))
+        return Path(find_or_build_engine(target, build_options_for(params), DEFAULT_ENGINES_DIR))
     except (IfbError, BuildError) as error:
         raise click.ClickException(str(error)) from None
 
@@ -74,7 +73,7 @@ def serve(ctx: click.Context, target: str | None, **params: Any) -> None:
     settings = runtime_settings(params)
     server = server_settings(params, os.environ)
     options = from_params(ServeOptions, params, host=server.host, port=server.port, app_options=server.app_options())
-    engine = _engine_folder(target, params["dtype"], params["max_model_len"], build_options_for(params)).resolve()
+    engine = _engine_folder(target, params).resolve()
     try:
         serve_engine(engine, settings, options, blocking=True)
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ import click
 from ifb.builder.build import BuildOptions
 from ifb.cli.field_options import field_option, field_options, from_params, stack
 from ifb.cli.logging_setup import LOG_FORMATS, LOG_LEVELS
-from ifb.runtime.engine_format import DTYPE_ALIASES, EngineConfig
+from ifb.runtime.engine_format import DTYPE_ALIASES, ENGINE_JSON, EngineConfig
 from ifb.runtime.runtime_config import RuntimeSettings, ServerSettings
 
 API_KEY_ENV = "IFB_API_KEY"
@@ -139,9 +139,12 @@ def build_options_for(params: Mapping[str, Any]) -> BuildOptions:
     )
 
 
-def check_engine_folder(folder: Path, dtype: str, max_model_len: int | None) -> None:
-    """Refuse --dtype / --max-model-len that the engine in `folder` was not built with, naming
-    both values and the rebuild command."""
+def checked_engine_folder(target: str | None, params: Mapping[str, Any]) -> Path | None:
+    """TARGET if it is an engine folder, after refusing --dtype / --max-model-len that it was not
+    built with (naming both values and the rebuild command); None when TARGET is a SOURCE."""
+    if target is None or not (Path(target) / ENGINE_JSON).is_file():
+        return None
+    folder, dtype, max_model_len = Path(target), params["dtype"], params["max_model_len"]
     engine = EngineConfig.load(folder, verify=False)  # LLM verifies the artifacts when it loads them
     wanted_dtype = DTYPE_ALIASES.get(dtype.lower())
     if wanted_dtype is not None and wanted_dtype != engine.dtype:
@@ -163,6 +166,7 @@ def check_engine_folder(folder: Path, dtype: str, max_model_len: int | None) -> 
             f"engine cannot lower it; omit --max-model-len, or rebuild with: "
             f"{engine.rebuild_command(max_seq_len=max_model_len)}"
         )
+    return folder
 
 
 def effective_log_level(ctx: click.Context, log_level: str) -> str:
