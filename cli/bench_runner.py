@@ -38,7 +38,6 @@ class ModeRun:
     finish_times: dict[str, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     max_batch_size: int = 0
-    num_kv_blocks: int = 0
 
 
 def run_in_process(
@@ -103,7 +102,6 @@ def run_in_process(
             finish_times,
             dataclasses.asdict(llm.stats()),
             llm.config.max_batch_size,
-            llm.config.num_kv_blocks,
         )
         if recorder is not None and trace is not None:
             recorder.write(trace.with_name(f"{trace.stem}-{mode}{trace.suffix}"))
