@@ -88,7 +88,7 @@ class ToolPlan:
 
     def _parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if self.mode == "named":
-            return None, [_call(self.named or "", _arguments(text))]
+            return None, [_call(self.named or "", json.dumps(_loads(text)))]  # normalized; the grammar made it
         if self.mode == "required":
             call = _loads(text)
             return None, [_call(call["name"], json.dumps(call["arguments"]))]
@@ -142,10 +142,6 @@ def _loads(text: str) -> Any:
     """JSON as the grammar engine produced it: xgrammar lets raw control characters into strings,
     which strict JSON forbids; clients get them escaped by the json.dumps that follows."""
     return json.loads(text, strict=False)
-
-
-def _arguments(text: str) -> str:
-    return json.dumps(_loads(text))  # normalized; the grammar guarantees it parses
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
