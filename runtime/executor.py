@@ -234,7 +234,7 @@ class Executor:
         except Exception as error:
             logger.exception("engine step failed; failing its %d requests", len(requests))
             for request in requests:
-                self._fail(request, f"engine step failed: {error}")
+                self._end(request, FinishReason.ERROR, f"engine step failed: {error}")
             self._publish()
             return
         samples = self._sample(logits, rows, bitmask) if rows else []
@@ -292,12 +292,13 @@ class Executor:
             try:
                 samples += self.sampler.sample(logits[index : index + 1], [row], mask).rows()
             except Exception as error:
-                self._fail(row.request, f"sampling failed: {type(error).__name__}: {error}")
+                self._end(row.request, FinishReason.ERROR, f"sampling failed: {type(error).__name__}: {error}")
                 samples.append(RowSample(-1, None))  # never read: the request has finished
         return samples
 
-    def _fail(self, request: Request, error: str) -> None:
-        self.scheduler.finish(request, FinishReason.ERROR, error=error)
+    def _end(self, request: Request, reason: FinishReason, error: str) -> None:
+        """Finish a request outside a token (a failed step or sample, shutdown) and deliver its end."""
+        self.scheduler.finish(request, reason, error=error)
         live = self._live[request.request_id]
         self._deliver(live, self.outputs.final_output(live))
 
@@ -368,5 +369,4 @@ class Executor:
     def _finish_all(self, reason: FinishReason) -> None:
         error = "server shutting down" if reason is FinishReason.ABORT else f"the step loop died: {self._fatal_error}"
         for live in list(self._live.values()):
-            self.scheduler.finish(live.request, reason, error=error)
-            self._deliver(live, self.outputs.final_output(live))
+            self._end(live.request, reason, error)
