@@ -32,7 +32,7 @@ from ifb.runtime.policies import (
 )
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
-from ifb.runtime.step_budget import FixedBudget, LatencyTargetBudget, StepBudget
+from ifb.runtime.step_budget.budgets import FixedBudget, LatencyTargetBudget, StepBudget
 from ifb.runtime.step_budget.cost_model import StepCostModel
 
 OUTPUT_LENGTHS = (20, 25, 30, 40, 50, 60, 400, 600)

@@ -9,7 +9,7 @@ from typing import Any
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.runtime_config import RuntimeConfig
-from ifb.runtime.step_budget import StepBudgetReport
+from ifb.runtime.step_budget.budgets import StepBudgetReport
 
 
 def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from ifb.runtime.runtime_config import RuntimeSettings
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step_budget import FixedBudget, StepBudget, StepCostModel, make_step_budget
+from ifb.runtime.step_budget.budgets import FixedBudget, StepBudget, make_step_budget
+from ifb.runtime.step_budget.cost_model import StepCostModel
 
 
 class LLM(FrontendClient):

@@ -11,7 +11,7 @@ from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.step.backend import StepMode
-from ifb.runtime.step_budget import DEFAULT_TARGET_DECODE_MULTIPLE, DEFAULT_TARGET_FLOOR_MS
+from ifb.runtime.step_budget.budgets import DEFAULT_TARGET_DECODE_MULTIPLE, DEFAULT_TARGET_FLOOR_MS
 
 
 def option(default: Any, help: str, **cli: Any) -> Any:

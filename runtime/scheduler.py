@@ -18,7 +18,7 @@ from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.policies import CapacityPolicy, ChunkingPolicy, aligned_chunk
 from ifb.runtime.request import FinishReason, Request, RequestState, Stop
 from ifb.runtime.scheduler_stats import SchedulerStats
-from ifb.runtime.step_budget import StepBudget, deepest_start, step_shape
+from ifb.runtime.step_budget.budgets import StepBudget, deepest_start, step_shape
 
 logger = logging.getLogger(__name__)
 

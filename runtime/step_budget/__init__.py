@@ -8,34 +8,3 @@ inter-token target (docs/design.md §5.6, §6).
     calibration.py      timing steps of known shape on an engine and fitting the cost model (torch:
                         imported only by what runs an engine, never by the scheduling side)
 """
-
-from ifb.runtime.step_budget.budgets import (
-    DEFAULT_TARGET_DECODE_MULTIPLE,
-    DEFAULT_TARGET_FLOOR_MS,
-    FixedBudget,
-    LatencyTargetBudget,
-    RelativeTargetBudget,
-    StepBudget,
-    StepBudgetReport,
-    deepest_start,
-    default_itl_target_ms,
-    make_step_budget,
-    step_shape,
-)
-from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
-
-__all__ = [
-    "DEFAULT_TARGET_DECODE_MULTIPLE",
-    "DEFAULT_TARGET_FLOOR_MS",
-    "FixedBudget",
-    "LatencyTargetBudget",
-    "RelativeTargetBudget",
-    "StepBudget",
-    "StepBudgetReport",
-    "StepCostModel",
-    "StepShape",
-    "deepest_start",
-    "default_itl_target_ms",
-    "make_step_budget",
-    "step_shape",
-]

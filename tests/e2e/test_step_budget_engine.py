@@ -11,7 +11,7 @@ import pytest
 from ifb import LLM, SamplingParams
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.executor import StepRecord
-from ifb.runtime.step_budget import FixedBudget, LatencyTargetBudget, RelativeTargetBudget
+from ifb.runtime.step_budget.budgets import FixedBudget, LatencyTargetBudget, RelativeTargetBudget
 from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
 from ifb.runtime.trace import TraceRecorder
 

@@ -14,7 +14,7 @@ from ifb.runtime.policies import (
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from ifb.runtime.step_budget import FixedBudget, StepBudget
+from ifb.runtime.step_budget.budgets import FixedBudget, StepBudget
 from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
 
 _ids = itertools.count()

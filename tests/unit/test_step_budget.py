@@ -13,7 +13,7 @@ from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.request import Request
 from ifb.runtime.scheduler import Scheduler
-from ifb.runtime.step_budget import (
+from ifb.runtime.step_budget.budgets import (
     DEFAULT_TARGET_DECODE_MULTIPLE,
     FixedBudget,
     LatencyTargetBudget,

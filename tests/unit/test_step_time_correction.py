@@ -7,7 +7,7 @@ import pytest
 from fakes import FakeEngine, make_request, make_scheduler
 
 from ifb.runtime.scheduler import Scheduler
-from ifb.runtime.step_budget import (
+from ifb.runtime.step_budget.budgets import (
     DEFAULT_TARGET_DECODE_MULTIPLE,
     DEFAULT_TARGET_FLOOR_MS,
     FixedBudget,
