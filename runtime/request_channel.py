@@ -12,15 +12,14 @@ import functools
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from ifb.runtime.admission import AdmissionGate
 from ifb.runtime.executor import Executor
 from ifb.runtime.frontend import PreparedRequest
+from ifb.runtime.live_request import Sink
 from ifb.runtime.loop_mailbox import LoopMailbox
 from ifb.runtime.outputs import RequestOutput
-
-Sink = Callable[[RequestOutput], None]
 
 
 class RequestChannel:
