@@ -11,7 +11,7 @@ from fakes import make_request
 
 from ifb.runtime.policies import ChunkingPolicy, ChunkingPolicyKind, make_chunking_policy
 from ifb.runtime.request import Request
-from ifb.runtime.scheduler_stats import SchedulerCounters, SchedulerStats
+from ifb.runtime.scheduler_stats import SchedulerStats
 
 FCFS = ChunkingPolicyKind.FIRST_COME_FIRST_SERVED
 EQUAL = ChunkingPolicyKind.EQUAL_PROGRESS
@@ -142,13 +142,6 @@ def test_make_chunking_policy_returns_distinct_behaviours() -> None:
     requests = [prefilling(100), prefilling(100)]
     assert split(FCFS, requests, budget=16) == [16, 0]
     assert split(EQUAL, requests, budget=16) == [8, 8]
-
-
-def test_scheduler_stats_and_counters_have_the_same_fields() -> None:
-    """The live stats and their frozen copy list the same field names in the same order."""
-    live = [f.name for f in dataclasses.fields(SchedulerStats)]
-    frozen = [f.name for f in dataclasses.fields(SchedulerCounters)]
-    assert live == frozen
 
 
 def test_freeze_copies_every_value() -> None:
