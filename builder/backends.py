@@ -10,11 +10,14 @@ import torch
 from ifb.builder.compile_cpu import build_engine_kernels, compile_cpu_engine
 from ifb.builder.compile_tensorrt import compile_tensorrt_engine, tensorrt_dtype
 from ifb.builder.compiled_step import CompiledStep
+from ifb.builder.engine_writer import ensure_free_space
 from ifb.builder.limits import normalize_dtype
 from ifb.runtime.engine_format import BackendKind, EngineLimits
 from ifb.runtime.step.network import StepNetwork
 
 STEP_PACKAGE = "step.pt2"
+# Room for a .pt2's compiled code beyond its constants (the tiny test engine's is ~2 MB).
+STEP_CODE_BYTES = 32 * 2**20
 Backend = BackendKind  # the builder's name for it (`ifb build --backend`)
 
 
@@ -37,6 +40,7 @@ class CpuCompiler:
         # Block engines bind their weights from the weights file at load, so they are stored once;
         # dense ones keep freezing's prepacked (MKL/oneDNN) constants inside the package.
         external = bool(network.weight_formats)
+        ensure_free_space(folder, _step_package_bytes(network, external), STEP_PACKAGE)
         compile_cpu_engine(network, limits, kv_cache, folder / STEP_PACKAGE, constants_in_package=not external)
         return CompiledStep(step_package=STEP_PACKAGE, kernels=kernels, constants_external=external)
 
@@ -49,6 +53,16 @@ class TensorRTCompiler:
 
     def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
         return compile_tensorrt_engine(network, limits, kv_cache, folder)
+
+
+def _step_package_bytes(network: StepNetwork, constants_external: bool) -> int:
+    """About what step.pt2 will take: its code, plus the network's tensors when the package holds
+    them (a tied head counted twice, as freezing may store it so: SmolLM2's 331 MB package against
+    269 MB of weights)."""
+    if constants_external:
+        return STEP_CODE_BYTES
+    tensors = network.state_dict().values()
+    return STEP_CODE_BYTES + sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 def compiler_for(backend: BackendKind) -> BackendCompiler:

@@ -15,7 +15,16 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from ifb.builder.build import BuildOptions, BuildSummary, build_dtype, build_engine, build_kv_dtype
+from ifb.builder.backends import STEP_PACKAGE
+from ifb.builder.build import (
+    TOKENIZER_DIR,
+    WEIGHTS_FILE,
+    BuildOptions,
+    BuildSummary,
+    build_dtype,
+    build_engine,
+    build_kv_dtype,
+)
 from ifb.builder.quant_weights import resolve_compute, source_packs_weights
 from ifb.builder.sources import ModelSource, resolve_source, source_sha256
 from ifb.runtime.engine_format import ENGINE_JSON, BackendKind, EngineConfig
@@ -88,12 +97,21 @@ def _read_engine(folder: Path) -> EngineConfig | None:
         return None
 
 
+def _is_engine_without_record(folder: Path) -> bool:
+    """An engine folder that lost its engine.json: the builder's files and no checkpoint's
+    config.json (told apart so the error names the missing file, not "not a checkpoint")."""
+    engine_files = (WEIGHTS_FILE, STEP_PACKAGE, TOKENIZER_DIR)
+    return not (folder / "config.json").exists() and any((folder / name).exists() for name in engine_files)
+
+
 def find_or_build_engine(
     target: str | Path | None, options: BuildOptions, engines_dir: Path = DEFAULT_ENGINES_DIR
 ) -> Path:
     """An engine folder as given, else a matching engine built here earlier, else a new build."""
     if target is not None and (Path(target) / ENGINE_JSON).is_file():
         return Path(target)
+    if target is not None and _is_engine_without_record(Path(target)):
+        raise EngineFormatError(f"{target} is not an engine folder: {ENGINE_JSON} is missing")
     source = resolve_source(target)
     sha256 = source_sha256(source)
     built = _built_ids(engines_dir)

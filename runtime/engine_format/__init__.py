@@ -2,7 +2,13 @@
 shape and the step-input contract. The builder writes engines by calling this; it never
 defines a field of its own."""
 
-from ifb.runtime.engine_format.artifacts import ENGINE_JSON, artifact_hashes, sha256_of_file
+from ifb.runtime.engine_format.artifacts import (
+    ENGINE_JSON,
+    RECORD_SHA256,
+    artifact_hashes,
+    record_sha256,
+    sha256_of_file,
+)
 from ifb.runtime.engine_format.config import (
     ENGINE_FORMAT_VERSION,
     BackendKind,
@@ -35,6 +41,7 @@ __all__ = [
     "ENGINE_FORMAT_VERSION",
     "ENGINE_JSON",
     "KV_POOLS_ARGUMENT",
+    "RECORD_SHA256",
     "STEP_INPUTS",
     "STEP_INPUT_NAMES",
     "BackendKind",
@@ -51,5 +58,6 @@ __all__ = [
     "kv_bytes_per_block",
     "kv_pool_names",
     "kv_pool_shape",
+    "record_sha256",
     "sha256_of_file",
 ]

@@ -2,7 +2,8 @@
 
 The runtime owns this schema. `to_json` is the only writer and `load` the only reader, so a
 field is added in one place; unknown or missing fields and paths leaving the engine folder are
-refused with the file and the field named.
+refused with the file and the field named, and a record whose seal (`record_sha256`) does not
+match its fields is refused as corrupted.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
-from ifb.runtime.engine_format.artifacts import ENGINE_JSON, confined_path, verify_artifacts
+from ifb.runtime.engine_format.artifacts import (
+    ENGINE_JSON,
+    RECORD_SHA256,
+    confined_path,
+    record_sha256,
+    verify_artifacts,
+    verify_record,
+)
 from ifb.runtime.engine_format.limits import DTYPE_BYTES, EngineLimits, kv_bytes_per_block, kv_pool_shape
 from ifb.runtime.engine_format.model_spec import ModelSpec
 from ifb.runtime.errors import EngineFormatError
@@ -153,7 +161,7 @@ class EngineConfig:
 
     # -- engine.json ---------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {
+        record = {
             "format_version": ENGINE_FORMAT_VERSION,
             "build_id": self.build_id,
             "builder_version": self.builder_version,
@@ -184,6 +192,7 @@ class EngineConfig:
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             "artifacts": self.artifacts,
         }
+        return {**record, RECORD_SHA256: record_sha256(record)}
 
     @classmethod
     def from_json(cls, record: dict[str, Any], folder: Path) -> EngineConfig:
@@ -235,23 +244,33 @@ class EngineConfig:
 
     @classmethod
     def load(cls, folder: str | Path, verify: bool = True) -> EngineConfig:
-        """Read and check engine.json; with `verify`, every artifact's sha256 is checked."""
+        """Read and check engine.json; with `verify`, its seal and every artifact's sha256 are checked."""
         folder = Path(folder).resolve()
         path = folder / ENGINE_JSON
         if not path.is_file():
             raise EngineFormatError(f"{folder} is not an engine folder: {ENGINE_JSON} is missing")
-        try:
-            record = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise EngineFormatError(f"{path} is not valid JSON: {error}") from error
-        if not isinstance(record, dict):
-            raise EngineFormatError(f"{path} is not a JSON object")
+        record = _read_record(path)
         config = cls.from_json(record, folder)
         # Every path is confined to the folder before anything is read through it.
         _ = (config.step_package_path, config.weights_path, config.tokenizer_path, config.kernels_path)
         if verify:
+            verify_record(record, path)
             verify_artifacts(folder, config.artifacts)
         return config
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """engine.json as a dict; a file that cannot be read, is not UTF-8 or is not a JSON object is
+    refused naming it (json.loads of bytes takes only UTF-8 here: the builder writes nothing else)."""
+    try:
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise EngineFormatError(f"{path} cannot be read: {error.strerror}") from error
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError alike
+        raise EngineFormatError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(record, dict):
+        raise EngineFormatError(f"{path} is not a JSON object")
+    return record
 
 
 class _Reader:

@@ -15,7 +15,7 @@ from transformers import GPT2Config
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.errors import SourceError, UnsupportedModelError
 from ifb.cli.main import cli
-from ifb.runtime.engine_format import ENGINE_FORMAT_VERSION, EngineConfig
+from ifb.runtime.engine_format import ENGINE_FORMAT_VERSION, RECORD_SHA256, EngineConfig, record_sha256
 from ifb.runtime.errors import EngineFormatError, LimitExceededError
 from ifb.runtime.llm import LLM
 from ifb.runtime.step.engine import Engine
@@ -153,6 +153,7 @@ def test_tensorrt_without_cuda_is_one_clear_line(tiny_llama_dir: Path, engine_co
     assert "Traceback" not in built.output and not (tmp_path / "trt").exists()
     record = json.loads((engine_copy / "engine.json").read_text())
     record["backend"] = "tensorrt"
+    record[RECORD_SHA256] = record_sha256(record)  # sealed, as a TensorRT build's record is
     (engine_copy / "engine.json").write_text(json.dumps(record))
     ran = runner.invoke(cli, ["run", str(engine_copy), "--prompt", "hi"])
     assert ran.exit_code == 1 and "CUDA GPU" in ran.output and "Traceback" not in ran.output

@@ -13,6 +13,7 @@ from greedy_loop import greedy_generate
 from server_harness import running_server
 from step_cases import prompts, run_mixed_step
 
+from ifb.runtime.engine_format import RECORD_SHA256, record_sha256
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.llm import LLM
 from ifb.runtime.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ def test_a_plan_built_for_another_gpu_is_refused_with_the_rebuild_command(
     copy = Path(shutil.copytree(tiny_llama_trt_fp32, tmp_path / "engine"))
     record = json.loads((copy / "engine.json").read_text())
     record["tensorrt"]["gpu_name"] = "Some Other GPU"
+    record[RECORD_SHA256] = record_sha256(record)  # sealed, as that GPU's build would have
     (copy / "engine.json").write_text(json.dumps(record))
     with pytest.raises(EngineFormatError, match="Some Other GPU.*ifb build .*--backend tensorrt"):
         Engine.load(copy)
