@@ -1,8 +1,10 @@
 """Fast paged attention and KV write: vectorized gathers + SDPA, exportable with dynamic shapes.
 
-Same signatures as `attention_reference.py`. The context path (requests with several query
-tokens) runs SDPA with each request's queries padded to the longest chunk; the decode path (one
-query token each) carries no padding at all and is written so the compiler fuses the gather.
+Same signatures as `attention_reference.py`. Without the kernel library (dense engines) the
+context path (requests with several query tokens) runs SDPA with each request's queries padded
+to the longest chunk, and the decode path (one query token each) carries no padding at all and
+is written so the compiler fuses the gather. With it (block-quantized engines) both paths run
+the C++ kernel row by row, so a token's attention never depends on the step around it.
 The pools may be narrower than the step (`ifb build --kv-dtype fp16`): K/V are rounded to the
 pool's dtype when written and read back in fp32.
 """
@@ -96,6 +98,36 @@ def _context_attention(
     out.index_copy_(0, rows.flatten(), context_out.flatten(0, 1))
 
 
+def _context_attention_per_row(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    positions: torch.Tensor,
+    layout: AttentionLayout,
+    block_size: int,
+    scale: float,
+) -> None:
+    """The context path through the decode kernel: each query row is its own item, over its
+    request's keys up to its own position.
+
+    Why not SDPA: its CPU kernels split queries and keys into blocks sized by the padded chunk
+    and context lengths, and the GEMMs inside sum in an order that follows those sizes, so a
+    prompt's logits moved in the last bits with its chunking and with prefix reuse (SmolLM2,
+    5 of 20 chunkings of one prompt, up to 6e-5 in a logit; a reused chat prefix moved 2 of 8
+    first-token logprobs). Row by row in the kernel's one fixed order, a token's attention is
+    the same whether it is prefilled whole, in chunks, after a reused prefix, or decoded.
+    Padded query entries repeat their request's last row and are computed twice, same value.
+    """
+    rows = layout.context_query_rows.flatten()
+    queries_per_request = layout.context_query_rows.shape[1]
+    tables = layout.context_block_tables[:, None, :].expand(-1, queries_per_request, -1).flatten(0, 1)
+    attended = torch.ops.ifb_quant.paged_decode_attention(
+        q[rows].float(), k_pool, v_pool, tables, positions[rows] + 1, block_size, scale
+    )
+    out.index_copy_(0, rows, attended.to(q.dtype))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -133,9 +165,10 @@ def paged_attention_decode_kernel(
     which reads each request's K/V in place through its block table: at 32 rows x 256 tokens of
     context it took the SmolLM2 int8 step from 55 to 42 ms (the compiled gather-and-reduce read
     K/V at a quarter of the memory bandwidth; `bench/decode_attention.py`). Needs the engine's
-    kernel library loaded."""
+    kernel library loaded. The context path goes through the same kernel, row by row
+    (`_context_attention_per_row`), for batch invariance."""
     out = torch.zeros_like(q)
-    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale)
+    _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale)
     rows = layout.decode_query_rows
     decoded = torch.ops.ifb_quant.paged_decode_attention(
         q[rows].float(), k_pool, v_pool, layout.decode_block_tables, layout.decode_seq_lens, block_size, scale

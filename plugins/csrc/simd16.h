@@ -16,6 +16,15 @@ namespace {
 
 constexpr int kLanes = 16;
 
+// The one order both builds sum lanes in: of 8, lanes i + i+4, then i + i+2, then i + i+1.
+// (The AVX2 build used to add its 16 lanes serially and AVX-512 used _mm512_reduce_add_ps's
+// tree: decode attention's scores then differed between the builds in the last bit.)
+inline float sum_eight(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define IFB_SIMD16_AVX512 1
 struct V {  // 16 fp32 lanes: one per output column of a tile
@@ -35,7 +44,10 @@ inline V mul(V a, V b) { return {_mm512_mul_ps(a.a, b.a)}; }
 inline V add(V a, V b) { return {_mm512_add_ps(a.a, b.a)}; }
 inline V sub(V a, V b) { return {_mm512_sub_ps(a.a, b.a)}; }
 inline V max(V a, V b) { return {_mm512_max_ps(a.a, b.a)}; }
-inline float sum_lanes(V v) { return _mm512_reduce_add_ps(v.a); }
+inline float sum_lanes(V v) {  // lanes i + i+8 first, then sum_eight's tree, as the AVX2 build
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v.a), 1));
+  return sum_eight(_mm256_add_ps(_mm512_castps512_ps256(v.a), high));
+}
 inline float max_lanes(V v) { return _mm512_reduce_max_ps(v.a); }
 inline V round_nearest(V v) { return {_mm512_roundscale_ps(v.a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 // 2^n for integral n in [-126, 127], exactly, through the exponent field.
@@ -126,13 +138,7 @@ inline V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, 
 inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline V max(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-inline float sum_lanes(V v) {
-  alignas(32) float lanes[16];
-  store(lanes, v);
-  float total = 0.0f;
-  for (float lane : lanes) total += lane;
-  return total;
-}
+inline float sum_lanes(V v) { return sum_eight(_mm256_add_ps(v.lo, v.hi)); }  // lanes i + i+8 first
 inline float max_lanes(V v) {
   alignas(32) float lanes[16];
   store(lanes, v);

@@ -23,7 +23,7 @@ from ifb.builder import gguf_tensors
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.errors import BuildError
 from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
-from ifb.runtime.engine_format import BackendKind, EngineConfig
+from ifb.runtime.engine_format import RECORD_SHA256, BackendKind, EngineConfig, record_sha256
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.health_report import engine_block
 from ifb.runtime.step.backend import StepMode
@@ -151,6 +151,41 @@ def test_logits_and_kv_are_bitwise_batch_invariant(engine_fixture: str, request:
         assert torch.equal(engine.kv_cache[:, :, slots], together_kv[:, :, slots]), f"K/V of row {row}"
 
 
+def _last_logits(engine: Engine, pieces: list[list[RequestSlice]]) -> torch.Tensor:
+    """Run `pieces` as consecutive steps from an empty cache; the last step's logits."""
+    engine.kv_cache.zero_()
+    for piece in pieces:
+        logits = engine.step(build_step_inputs(piece, engine.config.limits.block_size))
+    return logits
+
+
+@pytest.mark.parametrize("engine_fixture", BATCH_INVARIANT_ENGINES)
+def test_prefill_logits_do_not_depend_on_chunking_reuse_or_neighbours(
+    engine_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """A prompt's last-token logits are bit for bit the same prefilled whole, in two chunks (as
+    after a reused prefix, the last chunk one token = a decode row), beside other prompts of
+    other lengths, and beside a chunked long prompt. Before the context path went row by row
+    through the decode kernel, SDPA's blocking made every split here differ in the last bits."""
+    engine = Engine.load(request.getfixturevalue(engine_fixture), StepMode.COMPILED)
+    lengths = [23, 41, 9, 57]
+    texts = prompts(engine.config.spec.vocab_size, [*lengths, 150], seed=9)
+    tables = [list(range(5 * i + 1, 5 * i + 5)) for i in range(len(lengths))]
+    long_text, long_table = texts[-1], list(range(25, 35))
+    whole = [RequestSlice(text, 0, table, True) for text, table in zip(texts, tables, strict=False)]
+    alone = [_last_logits(engine, [[piece]])[0] for piece in whole]
+    together = _last_logits(engine, [whole])
+    long_head = RequestSlice(long_text[:100], 0, long_table, False)
+    long_tail = RequestSlice(long_text[100:], 100, long_table, True)
+    beside_long = _last_logits(engine, [[long_head], [long_tail, *whole]])[1:]
+    for row, (text, table) in enumerate(zip(texts, tables, strict=False)):
+        assert torch.equal(together[row], alone[row]), f"prompt {row} together"
+        assert torch.equal(beside_long[row], alone[row]), f"prompt {row} beside a chunked long prompt"
+        for split in sorted({1, 5, 16, len(text) - 1} & set(range(1, len(text)))):
+            head, tail = RequestSlice(text[:split], 0, table, False), RequestSlice(text[split:], split, table, True)
+            assert torch.equal(_last_logits(engine, [[head], [tail]])[0], alone[row]), f"prompt {row} split at {split}"
+
+
 def test_int8_compute_is_recorded_and_close_to_the_exact_engine(
     tiny_q4_gguf_engine: Path, tiny_q4_gguf_int8_engine: Path
 ) -> None:
@@ -192,6 +227,7 @@ def test_engine_needing_a_missing_cpu_feature_is_refused(tiny_q4_gguf_engine: Pa
     shutil.copytree(tiny_q4_gguf_engine, folder)
     record = json.loads((folder / "engine.json").read_text())
     record["kernels"]["cpu_features"].append("avx10_9000")
+    record[RECORD_SHA256] = record_sha256(record)  # sealed, as a build on that CPU would have
     (folder / "engine.json").write_text(json.dumps(record))
     with pytest.raises(EngineFormatError) as caught:
         Engine.load(folder, StepMode.COMPILED)

@@ -3,16 +3,21 @@
 Pins: for fp32, fp16 and bf16 pools, grouped heads, lengths from 1 to a full table and blocks
 scattered over the pool, the kernel's output is within fp32 rounding of `_decode_attention`
 over gathered K/V; a request's output is bitwise the same alone, in a batch, in another
-position, and with 1 or 2 threads; bad tables are refused instead of read out of bounds.
+position, and with 1 or 2 threads; AVX2 and AVX-512 builds give the same bits; bad tables are
+refused instead of read out of bounds.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from ifb.plugins.attention import _decode_attention, _gather_blocks
-from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
 
 BLOCK = 16
 SLOTS = 128 * BLOCK
@@ -86,3 +91,41 @@ def test_out_of_pool_tables_and_lengths_are_refused(kernel_library: QuantLibrary
         kernel(q, k_pool, v_pool, bad, lengths.clamp(max=BLOCK))
     with pytest.raises(RuntimeError, match="exceeds the block table"):
         kernel(q, k_pool, v_pool, tables, lengths + 9 * BLOCK)
+
+
+_OTHER_BUILD = """
+import sys, torch
+from pathlib import Path
+from ifb.plugins.quant_build import load_quant_library
+assert load_quant_library(Path(sys.argv[1]), []) == sys.argv[4]
+torch.save([torch.ops.ifb_quant.paged_decode_attention(*case, 16, 0.125) for case in torch.load(sys.argv[2])], sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("isa", [QuantIsa.AVX2, QuantIsa.AVX512])
+def test_other_isa_builds_give_the_same_bits(kernel_library: QuantLibrary, tmp_path: Path, isa: QuantIsa) -> None:
+    """AVX2 (two ymm per 16-lane vector) and AVX-512 builds attend to exactly this build's bits,
+    every pool dtype: an engine's batch invariance holds on each ISA path it can be built for."""
+    if isa.value == kernel_library.isa.value:
+        pytest.skip(f"{isa.value} is this machine's own build")
+    other = build_quant_library(tmp_path / isa.value, isa)
+    if not set(other.required_features) <= cpu_features():
+        pytest.skip(f"this CPU cannot run the {isa.value} path")
+    cases = [
+        case(5, 9, 3, 64, dtype, seed=index)
+        for index, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16))
+    ]
+    cases.append(case(4, 4, 2, 16, torch.float32, seed=7))
+    torch.save(cases, tmp_path / "cases.pt")
+    command = [
+        sys.executable,
+        "-c",
+        _OTHER_BUILD,
+        str(other.path),
+        str(tmp_path / "cases.pt"),
+        str(tmp_path / "out.pt"),
+    ]
+    result = subprocess.run([*command, isa.value], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for index, (theirs, inputs) in enumerate(zip(torch.load(tmp_path / "out.pt"), cases, strict=True)):
+        assert torch.equal(theirs, kernel(*inputs)), f"case {index}"
