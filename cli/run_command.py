@@ -27,6 +27,7 @@ from ifb.cli.serving_options import (
 from ifb.runtime.errors import IfbError
 from ifb.runtime.runtime_config import RuntimeSettings, ServerSettings
 from ifb.runtime.step.engine import set_compute_threads
+from ifb.stop_signal import sigterm_exits
 
 if TYPE_CHECKING:
     from ifb.llm import LLM
@@ -107,6 +108,13 @@ def run(ctx: click.Context, target: str | None, **params: Any) -> None:
     server = server_settings(params, os.environ)
     set_compute_threads(params["threads"])
     settings = runtime_settings(params)
+    with sigterm_exits():  # so a SIGTERM, like Ctrl-C, closes the LLM and its compile workers
+        _load_and_run(target, params, settings, server, log_level)
+
+
+def _load_and_run(
+    target: str | None, params: Mapping[str, Any], settings: RuntimeSettings, server: ServerSettings, log_level: str
+) -> None:
     llm = _load_llm(target, params, settings)
     recorder = None
     trace: Path | None = params["trace"]

@@ -21,6 +21,7 @@ from ifb.runtime.guided import GrammarCompiler
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.runtime_config import RuntimeConfig
 from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.unicode_text import require_unicode
 
 Prompt = str | list[int]
 
@@ -62,7 +63,7 @@ class Frontend:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            _require_unicode(prompt, "prompt")
+            require_unicode(prompt, "prompt")
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         vocab = self.engine.spec.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
@@ -76,7 +77,7 @@ class Frontend:
             raise AdmissionError("this engine's tokenizer has no chat template", field="messages")
         for index, message in enumerate(messages):
             if isinstance(message.get("content"), str):
-                _require_unicode(message["content"], f"messages.{index}.content")
+                require_unicode(message["content"], f"messages.{index}.content")
         ids = self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
@@ -124,11 +125,3 @@ class Frontend:
                 stop = sorted(self.eos_token_ids)
                 self._grammars = GrammarCompiler(self.tokenizer, self.engine.spec.vocab_size, stop)
             return self._grammars
-
-
-def _require_unicode(text: str, field: str) -> None:
-    """JSON can carry lone surrogates (\\ud800) that no UTF-8 tokenizer can encode: a 400, not a 500."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise AdmissionError(f"{field} is not valid Unicode at character {error.start}", field=field) from None

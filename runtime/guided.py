@@ -2,14 +2,16 @@
 
 A constraint is compiled in a worker process (cached there per distinct text, bounded in bytes) and
 each guided request gets its own matcher; in the step loop a guided row gets its token bitmask,
-an unguided row pays nothing. Compile errors and compile timeouts are AdmissionErrors that name
-the request field, raised before the request takes a seat.
+an unguided row pays nothing. Compile errors, compile timeouts and strings that are not Unicode
+(a lone surrogate) are AdmissionErrors that name the request field, raised before the request
+takes a seat. Compile workers exit with the process that started them, however it ends.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -20,10 +22,12 @@ from enum import Enum
 from typing import Any
 
 from ifb.runtime.errors import AdmissionError
+from ifb.runtime.unicode_text import require_unicode_strings
 
 COMPILE_TIMEOUT_S = 10.0
 CACHE_LIMIT_BYTES = 256 << 20
 COMPILE_WORKERS = 2  # compile processes: bounded concurrency, each with its own cache
+PARENT_POLL_S = 0.5  # how often a compile worker checks that the server that started it is alive
 
 
 class GuideKind(str, Enum):
@@ -42,6 +46,10 @@ class GuidedDecoding:
     kind: GuideKind
     spec: str = ""
     field: str = "guided"
+
+    def __post_init__(self) -> None:
+        # Here, where every constraint is made (HTTP, Ray, Python callers), not per route.
+        require_unicode_strings(_spec_strings(self.kind, self.spec), self.field)
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str, field: str = "guided_json") -> GuidedDecoding:
@@ -66,6 +74,17 @@ class GuidedDecoding:
         return cls(GuideKind.CHOICE, json.dumps(choices), field)
 
 
+def _spec_strings(kind: GuideKind, spec: str) -> Any:
+    """The strings a constraint hands the grammar engine: a schema's or a choice list's as JSON
+    decodes them (a schema text may escape a surrogate as \\ud800), else the text itself."""
+    if kind in (GuideKind.JSON_SCHEMA, GuideKind.CHOICE):
+        try:
+            return json.loads(spec)
+        except (ValueError, RecursionError):
+            return spec  # not JSON (or nested past the parser): the compiler names that error
+    return spec
+
+
 def _choice_grammar(spec: str) -> str:
     alternatives = " | ".join(json.dumps(choice) for choice in json.loads(spec))
     return f"root ::= {alternatives}"
@@ -86,12 +105,32 @@ def _compile_with(compiler: Any, kind: GuideKind, spec: str) -> Any:
 _worker_compiler: Any = None  # in a compile worker process: its own xgrammar compiler and cache
 
 
-def _init_worker(tokenizer_info_json: str) -> None:
+def _init_worker(tokenizer_info_json: str, parent_pid: int) -> None:
     global _worker_compiler
+    _exit_with_parent(parent_pid)
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     _worker_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker once the process that started it is gone, however it went (SIGKILL too).
+
+    A thread polls os.getppid() against the pid the parent passed in, rather than prctl's
+    PR_SET_PDEATHSIG: that fires when the parent *thread* that spawned the worker exits, and
+    ProcessPoolExecutor spawns from whichever thread submits (a caller's short-lived thread
+    would take the pool down with it); it is Linux-only too. Comparing with the passed-in pid
+    also catches a parent that died before this worker started, and reparenting to a subreaper
+    rather than init. xgrammar releases the GIL while it compiles, so the check runs mid-compile.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)  # nothing to flush: the worker's state is a cache
+
+    threading.Thread(target=watch, name="ifb-parent-watch", daemon=True).start()
 
 
 def _compile_in_worker(kind: str, spec: str) -> str:
@@ -125,7 +164,7 @@ class GrammarCompiler:
             max_workers=COMPILE_WORKERS,
             mp_context=multiprocessing.get_context("spawn"),  # no fork of a process with OpenMP threads
             initializer=_init_worker,
-            initargs=(self._info_json,),
+            initargs=(self._info_json, os.getpid()),
         )
         pool.submit(_ready)  # start the workers now, not on the first guided request
         return pool
@@ -135,9 +174,7 @@ class GrammarCompiler:
         with self._lock:
             if self._pool is not broken:
                 return  # another caller restarted it already
-            for process in list(getattr(broken, "_processes", {}).values()):
-                process.kill()  # ProcessPoolExecutor has no public way to stop a running task
-            broken.shutdown(wait=False, cancel_futures=True)
+            _stop_workers(broken)
             self._pool = self._start_pool()
 
     def compile(self, guide: GuidedDecoding, timeout_s: float = COMPILE_TIMEOUT_S) -> tuple[Any, float]:
@@ -171,7 +208,21 @@ class GrammarCompiler:
         return compiled, time.perf_counter() - start
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers now, a compile in progress included (its request is going away)."""
+        with self._lock:
+            _stop_workers(self._pool)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill `pool`'s workers and reap them. A plain shutdown would wait for a running compile
+    (a runaway one for as long as it takes), or with wait=False leave the workers to outlive an
+    interpreter that exits before they see the shutdown sentinel."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # None once shut down
+    for process in processes:
+        process.kill()  # ProcessPoolExecutor has no public way to stop a running task
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.join(timeout=5)
 
 
 def fill_bitmask(matchers: list[tuple[int, Any]], num_rows: int, vocab_size: int) -> Any:

@@ -20,6 +20,7 @@ from ifb.ray_serve.ingress import IfbIngress
 from ifb.ray_serve.replica import IfbReplica
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.runtime_config import RuntimeSettings, ServeOptions, resolve_runtime_config
+from ifb.stop_signal import sigterm_exits
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,11 @@ def serve_engine(engine: Path, settings: RuntimeSettings, options: ServeOptions,
         options.host,
         options.port,
     )
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
+    # ray.init replaced SIGTERM's handler with Ray's C++ one, which aborts the process 3 s on:
+    # a SIGTERM while serving must reach the caller's shutdown(), or the local Ray instance's
+    # agents outlive it.
+    with sigterm_exits():
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
 def shutdown() -> None:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
+from ifb.runtime.unicode_text import require_unicode_strings
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 TOOL_CALL_OPEN = "<tool_call>"
@@ -100,6 +101,8 @@ class ToolPlan:
 def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolPlan:
     """Check tools and tool_choice together; AdmissionError names the field."""
     tools = tools or []
+    for index, tool in enumerate(tools):  # the chat template shows them; required / named compile them
+        require_unicode_strings(tool.model_dump(exclude_none=True), "tools", f"tools.{index}")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise AdmissionError("tools: function names must be unique", field="tools")

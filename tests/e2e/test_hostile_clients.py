@@ -88,6 +88,80 @@ def test_lone_surrogate_is_a_400(served: tuple[str, LLM], path: str) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] in ("prompt", "messages.0.content")
 
 
+BAD = "a\ud800b"  # a lone surrogate: valid JSON once escaped, not encodable as UTF-8
+CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _tool(description: str = "d", parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function = {"name": "f", "description": description, "parameters": parameters or {"type": "object"}}
+    return {"type": "function", "function": function}
+
+
+# (path, body, the param the 400 names, the place its message names)
+GRAMMAR_TEXTS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("/v1/completions", {"guided_choice": ["ok", BAD]}, "guided_choice", "guided_choice.1"),
+    ("/v1/completions", {"guided_regex": BAD}, "guided_regex", "guided_regex"),
+    ("/v1/completions", {"guided_grammar": f'root ::= "{BAD}"'}, "guided_grammar", "guided_grammar"),
+    ("/v1/completions", {"guided_json": {"enum": ["ok", BAD]}}, "guided_json", "guided_json.enum.1"),
+    (
+        "/v1/completions",
+        {"guided_json": {"type": "object", "properties": {"x": {"type": "string", "description": BAD}}}},
+        "guided_json",
+        "guided_json.properties.x.description",
+    ),
+    ("/v1/completions", {"guided_json": {"properties": {BAD: {}}}}, "guided_json", "guided_json.properties"),
+    # a schema given as text, whose own JSON escapes the surrogate
+    ("/v1/completions", {"guided_json": json.dumps({"const": BAD})}, "guided_json", "guided_json.const"),
+    (
+        "/v1/completions",
+        {"structured_outputs": {"choice": [BAD]}},
+        "structured_outputs.choice",
+        "structured_outputs.choice.0",
+    ),
+    ("/v1/completions", {"structured_outputs": {"regex": BAD}}, "structured_outputs.regex", "structured_outputs.regex"),
+    (
+        "/v1/completions",
+        {"structured_outputs": {"json": {"const": BAD}}},
+        "structured_outputs.json",
+        "structured_outputs.json.const",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"const": BAD}}}},
+        "response_format",
+        "response_format.const",
+    ),
+    ("/v1/chat/completions", {**CHAT, "tools": [_tool(description=BAD)]}, "tools", "tools.0.function.description"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [_tool(parameters={"properties": {"x": {"enum": [BAD]}}})], "tool_choice": "required"},
+        "tools",
+        "tools.0.function.parameters.properties.x.enum.0",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [_tool(parameters={"title": BAD})], "tool_choice": {"function": {"name": "f"}}},
+        "tools",
+        "tools.0.function.parameters.title",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "place"), GRAMMAR_TEXTS, ids=[place for *_, place in GRAMMAR_TEXTS])
+def test_lone_surrogate_in_a_grammar_or_tool_string_is_a_400(
+    served: tuple[str, LLM], path: str, body: dict[str, Any], param: str, place: str
+) -> None:
+    """Every string that reaches a grammar or the chat template is checked like a prompt: a 400
+    naming the request field (its message names the place inside it), never a 200 that
+    generates or a 500."""
+    base, _ = served
+    content = json.dumps({"prompt": "x", "max_tokens": 2, **body} if "chat" not in path else {"max_tokens": 2, **body})
+    response = httpx.post(base + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and place in error["message"] and "Unicode" in error["message"], error
+
+
 def test_a_row_that_cannot_be_sampled_fails_alone(served: tuple[str, LLM]) -> None:
     """A sampling fault in one row ends that request with `error` (a 500 / an SSE error event to
     its client); a greedy neighbour in the same steps finishes every token."""

@@ -73,6 +73,7 @@ SERVER_MAY_IMPORT = (
     "ifb.runtime.request",
     "ifb.runtime.sampling_params",
     "ifb.runtime.server",
+    "ifb.runtime.unicode_text",
 )
 
 

@@ -1,0 +1,185 @@
+"""A stopped server leaves no process behind: `ifb run` stopped by SIGTERM, SIGINT or SIGKILL
+with a grammar compiled and a stream in flight, and `ifb serve` (Ray) stopped by SIGTERM.
+
+Each test starts the real CLI in a subprocess, records its whole process tree (compile workers,
+multiprocessing's resource tracker, Ray's daemons and agents) before the signal, and waits for
+every one of them to be gone. Survivors are killed afterwards, so a failing run leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from server_harness import free_port
+from waiting import wait_until
+
+START_TIMEOUT_S = 180  # a cold start imports torch (and Ray) on a busy 2-core machine
+GONE_TIMEOUT_S = 60  # upper bound for the whole tree to exit; workers poll their parent every second
+IFB = [sys.executable, "-m", "ifb.cli.main"]
+POLL: dict[str, Any] = dict(ignoring=(httpx.HTTPError, ValueError), every_s=0.2)  # not up yet: "not yet"
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie has exited; only its parent's wait is missing)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _answers(started: Started) -> bool:
+    """The server answers /health at all (an `ifb serve` ingress says 503 until a replica is up)."""
+    assert started.server.poll() is None, f"the server exited with {started.server.returncode}"
+    return httpx.get(started.base + "/health", timeout=5).status_code in (200, 503)
+
+
+def _describe(processes: list[psutil.Process]) -> str:
+    def one(process: psutil.Process) -> str:
+        try:
+            return f"{process.pid} {' '.join(process.cmdline())[:120]}"
+        except psutil.Error:
+            return str(process.pid)
+
+    return "; ".join(one(p) for p in processes)
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A CLI server in a subprocess, and every process of its tree seen so far."""
+
+    server: subprocess.Popen[bytes]
+    base: str
+    seen: list[psutil.Process] = field(default_factory=list)
+
+    def tree(self) -> list[psutil.Process]:
+        """The server and all its descendants now (remembered for the clean-up)."""
+        root = psutil.Process(self.server.pid)
+        processes = [root, *root.children(recursive=True)]
+        self.seen.extend(processes)
+        return processes
+
+
+@contextmanager
+def cli_server(*args: str) -> Iterator[Started]:
+    """`ifb ARGS --port P` in a subprocess, ready to answer /health. Whatever of its tree
+    outlives the test is killed, so a failing run does not leave 300 MB workers behind."""
+    port = free_port()
+    server = subprocess.Popen([*IFB, *args, "--port", str(port)], stdin=subprocess.DEVNULL)
+    started = Started(server, f"http://127.0.0.1:{port}", [psutil.Process(server.pid)])
+    try:
+        wait_until(lambda: _answers(started), START_TIMEOUT_S, "the server to answer", **POLL)
+        yield started
+    finally:
+        if _alive(started.seen[0]):
+            started.tree()
+        for process in started.seen:
+            if _alive(process):
+                process.kill()
+        server.wait(30)
+
+
+def compile_workers(tree: list[psutil.Process]) -> list[psutil.Process]:
+    """The spawned pool workers (multiprocessing's resource tracker is in the tree too)."""
+    return [p for p in tree if any("spawn_main" in part for part in p.cmdline())]
+
+
+def guided_request(base: str) -> None:
+    """A guided_choice completion: starts the grammar compiler's worker processes. Their cold
+    start (importing xgrammar) counts against the 10 s compile timeout, which a busy 2-core
+    machine can exceed: that 400 counts as "not yet"."""
+    body = {"prompt": "pick", "max_tokens": 4, "guided_choice": ["yes", "no"]}
+
+    def compiled() -> bool:
+        response = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200 or "did not compile within" in response.text, response.text
+        return response.status_code == 200
+
+    wait_until(compiled, START_TIMEOUT_S, "a guided request to compile and answer", **POLL)
+
+
+@contextmanager
+def stream_in_flight(base: str) -> Iterator[None]:
+    """A long guided stream, read by a background thread; yields once its first chunk came."""
+    body = {
+        "prompt": "count",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+        "guided_regex": "[a-z ]{1,400}",
+    }
+    first = threading.Event()
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        json.loads(line[len("data: ") :])
+                        first.set()
+        except httpx.HTTPError:
+            pass  # the server went away mid-stream: what the test does
+        finally:
+            first.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert first.wait(120), "no first chunk"
+    yield
+    reader.join(GONE_TIMEOUT_S)
+
+
+def assert_all_gone(server: subprocess.Popen[bytes], tree: list[psutil.Process], what: str) -> None:
+    def gone() -> bool:
+        server.poll()  # reap our own child, so it is not counted as a zombie forever
+        return not any(_alive(p) for p in tree)
+
+    try:
+        wait_until(gone, GONE_TIMEOUT_S, what, every_s=0.2)
+    except AssertionError as error:
+        raise AssertionError(f"{error}; still alive: {_describe([p for p in tree if _alive(p)])}") from None
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_ifb_run_stopped_mid_stream_leaves_no_process(tiny_llama_engine: Path, stop: signal.Signals) -> None:
+    """With grammar-compile workers started and a guided stream in flight, one signal to the
+    `ifb run` process ends every process of its tree (the workers notice a parent killed by
+    SIGKILL, which no handler sees)."""
+    with cli_server("run", str(tiny_llama_engine)) as started:
+        guided_request(started.base)
+        with stream_in_flight(started.base):
+            tree = started.tree()
+            assert compile_workers(tree), f"no compile workers in {_describe(tree)}"
+            os.kill(started.server.pid, stop)
+            assert_all_gone(started.server, tree, f"every process of `ifb run` to exit after {stop.name}")
+
+
+def test_ifb_serve_stopped_by_sigterm_leaves_no_process(tiny_llama_engine: Path) -> None:
+    """`ifb serve` with one replica that compiled a grammar: SIGTERM ends the local Ray instance
+    it started (GCS, raylet, dashboard and runtime-env agents, workers) and the replica's compile
+    workers."""
+    pytest.importorskip("ray.serve")
+    args = ("serve", str(tiny_llama_engine), "--replicas", "1", "--threads-per-replica", "1")
+    with cli_server(*args) as started:
+
+        def one_ready() -> Any:
+            return httpx.get(started.base + "/health", timeout=5).json().get("num_ready") == 1
+
+        wait_until(one_ready, START_TIMEOUT_S, "the replica to be ready", **POLL)
+        guided_request(started.base)
+        tree = started.tree()
+        assert compile_workers(tree), f"no compile workers in {_describe(tree)}"
+        os.kill(started.server.pid, signal.SIGTERM)
+        assert_all_gone(started.server, tree, "every process of `ifb serve` to exit after SIGTERM")
