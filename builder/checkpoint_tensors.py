@@ -26,7 +26,7 @@ _TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16
 
 
 class CheckpointTensors:
-    """The tensors of an HF Llama/Qwen2 checkpoint folder, read on demand (all dense)."""
+    """The tensors of an HF Llama/Mistral/Qwen2/Qwen3 checkpoint folder, read on demand (all dense)."""
 
     def __init__(self, folder: Path, spec: ModelSpec) -> None:
         from safetensors import SafetensorError, safe_open
@@ -66,6 +66,9 @@ class CheckpointTensors:
         for i in range(self.spec.num_layers):
             for ours, theirs in _LAYER_NORMS.items():
                 parts[f"layers.{i}.{ours}.weight"] = (f"model.layers.{i}.{theirs}.weight",)
+            if self.spec.qk_norm:
+                for norm in ("q_norm", "k_norm"):
+                    parts[f"layers.{i}.attn.{norm}.weight"] = (f"model.layers.{i}.self_attn.{norm}.weight",)
             if self.spec.attention_bias:
                 parts[f"layers.{i}.attn.qkv.bias"] = tuple(
                     f"model.layers.{i}.{name}.bias" for name in _LAYER_LINEARS["attn.qkv"]

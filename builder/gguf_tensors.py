@@ -55,6 +55,9 @@ def dense_parts(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
     for i in range(spec.num_layers):
         for ours, theirs in _LAYER_NORMS.items():
             parts[f"layers.{i}.{ours}.weight"] = (f"blk.{i}.{theirs}.weight",)
+        if spec.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                parts[f"layers.{i}.attn.{norm}.weight"] = (f"blk.{i}.attn_{norm}.weight",)
         if spec.attention_bias:
             parts[f"layers.{i}.attn.qkv.bias"] = tuple(f"blk.{i}.{name}.bias" for name in _LAYER_LINEARS["attn.qkv"])
     return parts

@@ -12,7 +12,9 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "llama": False,  # Llama 2/3, SmolLM/SmolLM2, TinyLlama
     "mistral": False,
     "qwen2": True,
+    "qwen3": False,  # dense Qwen3 (0.6B-32B): per-head q/k RMSNorm, no bias
 }
+QK_NORM_ARCHITECTURES = ("qwen3",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
 
 
@@ -62,4 +64,5 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
         attention_bias=bias,
         bos_token_id=getattr(config, "bos_token_id", None),
         eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
+        qk_norm=model_type in QK_NORM_ARCHITECTURES,
     )

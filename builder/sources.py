@@ -107,13 +107,10 @@ def load_metadata(source: ModelSource) -> SourceMetadata:
     from ifb.builder.hf_config import model_spec_from_hf_config
 
     if source.kind is SourceKind.GGUF:
-        folder, name = source.path.parent, source.path.name
-        try:
-            config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        except (ValueError, KeyError) as error:
-            raise SourceError(f"cannot read GGUF metadata of {source.path}: {error}") from error
+        config = gguf_config(source.path)
         model_spec_from_hf_config(config)  # refuse unsupported architectures before the tokenizer
-        return SourceMetadata(source, config, AutoTokenizer.from_pretrained(folder, gguf_file=name))
+        tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        return SourceMetadata(source, config, tokenizer)
     config = AutoConfig.from_pretrained(source.path)
     model_spec_from_hf_config(config)
     return SourceMetadata(source, config, AutoTokenizer.from_pretrained(source.path))
@@ -154,18 +151,36 @@ def load_model(source: ModelSource) -> LoadedModel:
     return LoadedModel(source, config, state, tokenizer)
 
 
+def gguf_config(path: Path) -> Any:
+    """transformers' config of a GGUF, with head_dim read from the file's `attention.key_length`.
+
+    transformers' GGUF reader does not map key_length, so a Qwen3 GGUF got Qwen3Config's default
+    head_dim (128) whatever the file says; right for the released sizes, wrong for any other.
+    """
+    import gguf
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, KeyError) as error:
+        raise SourceError(f"cannot read GGUF metadata of {path}: {error}") from error
+    architecture = reader.fields["general.architecture"].contents()
+    key_length = reader.fields.get(f"{architecture}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length.contents())
+    return config
+
+
 def _load_gguf(source: ModelSource) -> LoadedModel:
     """GGUF -> dequantized fp32 weights via transformers' GGUF loader (it un-permutes Q/K)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = source.path.parent, source.path.name
-    try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    except (ValueError, KeyError) as error:
-        raise SourceError(f"cannot read GGUF metadata of {source.path}: {error}") from error
     from ifb.builder.hf_config import model_spec_from_hf_config
 
+    folder, name = source.path.parent, source.path.name
+    config = gguf_config(source.path)
     model_spec_from_hf_config(config)  # refuse unsupported architectures before dequantizing
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return LoadedModel(source, config, dict(model.state_dict()), tokenizer)

@@ -1,4 +1,4 @@
-"""Tiny seeded random checkpoints written as real files: HF folders (Llama, Qwen2) and a GGUF."""
+"""Tiny seeded random checkpoints written as real files: HF folders (Llama, Qwen2, Qwen3) and GGUFs."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def tiny_tokenizer(vocab_size: int = 320) -> Any:
 
 
 def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -64,6 +64,10 @@ def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
         return LlamaConfig(**common)
     if architecture == "qwen2":
         return Qwen2Config(**common)
+    if architecture == "qwen3":
+        # head_dim 32 with 4 heads of a 64-wide model, as Qwen3 (head_dim 128 at hidden 1024):
+        # q's width differs from hidden, so head_dim must be read, not derived
+        return Qwen3Config(**{"head_dim": 32, **common})
     raise ValueError(architecture)
 
 
@@ -139,7 +143,7 @@ def write_gguf(
     tensor_types: dict[str, str] | None = None,
     seed: int = 0,
 ) -> Path:
-    """Write the HF checkpoint at `hf_folder` (Llama) as a GGUF with its tokenizer: F32, or with
+    """Write the HF checkpoint at `hf_folder` (Llama or Qwen3) as a GGUF with its tokenizer: F32, or with
     the linear layers (and LM head) quantized by gguf-py to `linear_type` (e.g. "Q4_1") and the
     token embedding to `embed_type` (e.g. "Q8_0"), as llama.cpp's converter would write them.
     `tensor_types` overrides per GGUF tensor ("blk.1.attn_v.weight", "token_embd.weight") or per
@@ -151,14 +155,18 @@ def write_gguf(
     config = AutoConfig.from_pretrained(hf_folder)
     tokenizer = AutoTokenizer.from_pretrained(hf_folder)
     state = load_file(str(hf_folder / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
+    architecture = config.model_type
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny-{architecture}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -193,7 +201,10 @@ def write_gguf(
         "mlp.down_proj.weight": "ffn_down.weight",
         "input_layernorm.weight": "attn_norm.weight",
         "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
     }
+    permuted = architecture == "llama"  # llama.cpp's converter permutes Llama's q/k rows only
 
     overrides = tensor_types or {}
     rng = np.random.default_rng(seed)
@@ -217,9 +228,9 @@ def write_gguf(
             continue
         layer = int(name.split(".")[2])
         suffix = name.split(".", 3)[3]
-        if suffix == "self_attn.q_proj.weight":
+        if permuted and suffix == "self_attn.q_proj.weight":
             array = _llama_cpp_permute(array, config.num_attention_heads)
-        elif suffix == "self_attn.k_proj.weight":
+        elif permuted and suffix == "self_attn.k_proj.weight":
             array = _llama_cpp_permute(array, config.num_key_value_heads)
         add(f"blk.{layer}.{per_layer[suffix]}", array, linear_type)
     writer.write_header_to_file()

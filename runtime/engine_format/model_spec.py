@@ -8,7 +8,8 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """Shapes and constants of a Llama-family decoder; everything the network needs to exist."""
+    """Shapes and constants of a Llama-family decoder (Qwen2/3 included); everything the network
+    needs to exist."""
 
     architecture: str
     vocab_size: int
@@ -24,6 +25,9 @@ class ModelSpec:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Qwen3: each head's q and k are RMS-normalized (a weight of head_dim each) before RoPE.
+    # Defaulted so engine.json records written before the field still read.
+    qk_norm: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

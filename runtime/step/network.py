@@ -104,6 +104,9 @@ class Attention(nn.Module):
         self.block_size = block_size
         self.scale = spec.head_dim**-0.5
         self.ops = ops
+        # Qwen3 normalizes each head's q and k before RoPE; an identity keeps one forward for all
+        self.q_norm: nn.Module = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
+        self.k_norm: nn.Module = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -118,8 +121,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-        q = apply_rope(q.reshape(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.reshape(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = apply_rope(self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
         out = self.ops.attend(q, k_pool, v_pool, positions, layout, self.block_size, self.scale)
