@@ -11,8 +11,10 @@ block their event loop: tokenizing and compiling constraints run on a small work
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import queue
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,11 @@ class LLM(FrontendClient):
         self._drain = DrainRate()
         self.executor.finish_listeners.append(lambda request: self._drain.record_finish())
         self.executor.start()
+        # A script that never calls close() used to end in SIGABRT ("terminate called without an
+        # active exception", exit 134): the interpreter tore down native thread pools under the
+        # running executor thread. Closing at exit stops the loop first; a weak reference, so
+        # the hook never keeps an LLM alive.
+        atexit.register(_close_if_alive, weakref.ref(self))
 
     def _make_scheduler(self) -> Scheduler:
         limits = self.engine_config.limits
@@ -203,6 +210,12 @@ class LLM(FrontendClient):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_if_alive(reference: weakref.ref[LLM]) -> None:
+    llm = reference()
+    if llm is not None:
+        llm.close()
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
