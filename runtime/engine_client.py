@@ -9,7 +9,7 @@ request's path through it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -51,8 +51,14 @@ class EngineClient(Protocol):
     def tokenize(self, prompt: str | list[int]) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]: ...
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids; `chat_template_kwargs` (vLLM's field, e.g. enable_thinking)
+        are more variables for the template, refused (AdmissionError) unless JSON values."""
+        ...
 
     def detokenize(self, token_ids: list[int]) -> str: ...
 

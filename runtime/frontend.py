@@ -7,10 +7,13 @@ never on the executor's. Nothing here touches the scheduler.
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import json
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +24,7 @@ from ifb.runtime.guided import GrammarCompiler
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.runtime_config import RuntimeConfig
 from ifb.runtime.sampling_params import SamplingParams
-from ifb.runtime.unicode_text import require_unicode
+from ifb.runtime.unicode_text import require_unicode, require_unicode_strings
 
 Prompt = str | list[int]
 
@@ -46,6 +49,7 @@ class Frontend:
         self.eos_token_ids = frozenset(engine.spec.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         )
+        self._reserved_template_names = _call_parameters(tokenizer.apply_chat_template) | {"messages"}
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self._ids = itertools.count()
@@ -71,13 +75,19 @@ class Frontend:
         return list(prompt)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
+        """The prompt; `chat_template_kwargs` are more variables the template sees (vLLM's
+        field: Qwen3's `enable_thinking`, say), JSON values not named like the call's own."""
         if not self.chat_template:
             raise AdmissionError("this engine's tokenizer has no chat template", field="messages")
         for index, message in enumerate(messages):
             if isinstance(message.get("content"), str):
                 require_unicode(message["content"], f"messages.{index}.content")
+        variables = _template_variables(chat_template_kwargs, self._reserved_template_names)
         ids = self.tokenizer.apply_chat_template(
             messages,
             tools=tools,
@@ -85,6 +95,7 @@ class Frontend:
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
+            **variables,
         )
         return list(ids)
 
@@ -125,3 +136,28 @@ class Frontend:
                 stop = sorted(self.eos_token_ids)
                 self._grammars = GrammarCompiler(self.tokenizer, self.engine.spec.vocab_size, stop)
             return self._grammars
+
+
+def _call_parameters(function: Callable[..., Any]) -> frozenset[str]:
+    """The named parameters of `function` (not its **kwargs)."""
+    parameters = inspect.signature(function).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD)
+
+
+def _template_variables(given: Mapping[str, Any] | None, reserved: frozenset[str]) -> dict[str, Any]:
+    """`chat_template_kwargs` checked: an object of JSON values whose names are not the
+    template call's own (`tokenize`, `messages`, ...: those would change the call, not the
+    template); else an AdmissionError naming the field."""
+    field = "chat_template_kwargs"
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping) or not all(isinstance(name, str) for name in given):
+        raise AdmissionError(f"{field} must be an object with string keys", field=field)
+    if taken := sorted(reserved & given.keys()):
+        raise AdmissionError(f"{field} may not set {', '.join(taken)}: the server sets those itself", field=field)
+    try:
+        json.dumps(dict(given), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise AdmissionError(f"{field} must hold JSON values only: {error}", field=field) from None
+    require_unicode_strings(dict(given), field)
+    return dict(given)

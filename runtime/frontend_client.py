@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,9 +52,12 @@ class FrontendClient:
         return self.frontend.tokenize(prompt)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self.frontend.apply_chat_template(messages, tools)
+        return self.frontend.apply_chat_template(messages, tools, chat_template_kwargs)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.frontend.detokenize(token_ids)

@@ -10,6 +10,7 @@ from typing import Any
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
+from ifb.runtime.reasoning import ReasoningParserKind
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step_budget.budgets import DEFAULT_TARGET_DECODE_MULTIPLE, DEFAULT_TARGET_FLOOR_MS
 
@@ -102,6 +103,16 @@ class ServerSettings:
     )
     api_key: str | None = option(None, "Require Authorization: Bearer KEY on /v1/*.", cli=False)  # cli: 3 sources
     allowed_origins: tuple[str, ...] = option((), "A CORS origin browsers may call from (repeatable; default none).")
+    reasoning_parser: ReasoningParserKind | None = option(
+        None,
+        "Split chat replies' <think>...</think> part off as message.reasoning_content (delta.reasoning_content "
+        "when streamed): qwen3 when the reply or the prompt opens the tag, deepseek_r1 always (its template "
+        "opens it). Default: replies as generated.",
+    )
+
+    def __post_init__(self) -> None:  # accept the enum's string value from CLIs and callers
+        if self.reasoning_parser is not None:
+            object.__setattr__(self, "reasoning_parser", ReasoningParserKind(self.reasoning_parser))
 
     def app_options(self) -> dict[str, Any]:
         """create_app's keywords: every setting but where to listen."""

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ifb import __version__
 from ifb.runtime.engine_client import EngineClient
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
+from ifb.runtime.reasoning import ReasoningParserKind, make_reasoning_parser
 from ifb.runtime.server.errors import ModelNotFound, error_response, validation_field
 from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware
 from ifb.runtime.server.routes import Routes
@@ -30,10 +31,12 @@ def create_app(
     max_body_bytes: int = 4 << 20,
     served_model_names: tuple[str, ...] = (),
     allowed_origins: tuple[str, ...] = (),
+    reasoning_parser: ReasoningParserKind | None = None,
 ) -> FastAPI:
     """The app over any EngineClient (the in-process LLM, or the Ray replica set).
     `served_model_names`: the names clients may use (the first is reported), default the
-    engine's model name; `allowed_origins`: CORS origins (none by default: no CORS headers)."""
+    engine's model name; `allowed_origins`: CORS origins (none by default: no CORS headers);
+    `reasoning_parser`: how chat replies' reasoning is split off (runtime/reasoning.py)."""
     with_key = api_key is not None
     app = FastAPI(
         title="ifb",
@@ -42,7 +45,7 @@ def create_app(
         redoc_url=None if with_key else "/redoc",
         openapi_url=None if with_key else "/openapi.json",
     )
-    routes = Routes(engine, served_model_names or (engine.model_info.name,))
+    routes = Routes(engine, served_model_names or (engine.model_info.name,), make_reasoning_parser(reasoning_parser))
     _add_error_handlers(app, engine)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     if allowed_origins:  # added last, so it runs first: preflight requests carry no API key

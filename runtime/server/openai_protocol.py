@@ -230,6 +230,7 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (enable_thinking)
 
     def logprobs_count(self) -> int | None:
         top = self.top_logprobs
@@ -291,6 +292,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: StrictStr | list[StrictInt] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

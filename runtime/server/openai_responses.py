@@ -70,6 +70,7 @@ class CompletionChoice(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = omitted()  # vLLM's field: the <think> part (--reasoning-parser)
     tool_calls: list[ToolCall] | None = omitted()
 
 
@@ -82,6 +83,7 @@ class ChatChoice(BaseModel):
 
 class Delta(BaseModel):
     role: Literal["assistant"] | None = omitted()
+    reasoning_content: str | None = omitted()
     tool_calls: list[ToolCallDelta] | None = omitted()
     content: str | None = omitted()
 

@@ -1,4 +1,5 @@
-"""OpenAI response shaping: completion and chat bodies, stream chunks, logprobs, tool calls and usage."""
+"""OpenAI response shaping: completion and chat bodies, stream chunks, logprobs, reasoning, tool calls
+and usage."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
+from ifb.runtime.reasoning import NoReasoning, ReasoningParser, ReasoningStream, split_reasoning
 from ifb.runtime.request import FinishReason
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.server import openai_responses as wire
@@ -38,6 +40,8 @@ class ResponseShape:
     chat: bool
     token_text: TokenText
     tools: ToolPlan | None = None
+    reasoning: ReasoningParser = NoReasoning()
+    prompt_tail: str = ""  # the chat prompt's end, as text (only for a parser that reads it)
 
     def chunk(self, choices: list[Any], usage: wire.Usage | None = None) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -55,7 +59,10 @@ class ResponseShape:
         return sse(wire.ErrorBody(error=error), exclude_unset=True)  # no `param` key
 
     def stream_for(self, choice: Choice) -> ChoiceStream:
-        return ChoiceStream(self, choice)
+        return ChoiceStream(self, choice, self.reasoning_stream(choice))
+
+    def reasoning_stream(self, choice: Choice) -> ReasoningStream:
+        return self.reasoning.stream(self.prompt_tail, guided=choice.params.guided is not None)
 
     def completion_logprobs(self, choice: Choice, outputs: list[RequestOutput]) -> wire.CompletionLogprobs | None:
         if not (entries := _entries(choice, outputs)):
@@ -96,8 +103,13 @@ class ResponseShape:
         if not self.chat:
             logprobs = self.completion_logprobs(choice, outputs)
             return wire.CompletionChoice(index=choice.index, text=text, finish_reason=reason, logprobs=logprobs)
-        content, calls = self.tools.parse(text) if self.tools is not None else (text, [])
-        message = wire.ChatMessage(content=content, tool_calls=[wire.ToolCall.model_validate(c) for c in calls] or None)
+        split = split_reasoning(self.reasoning_stream(choice), text)  # tool calls come from the content only
+        content, calls = self.tools.parse(split.content) if self.tools is not None else (split.content, [])
+        message = wire.ChatMessage(
+            content=(content or None) if split.reasoning else content,
+            reasoning_content=split.reasoning or None,
+            tool_calls=[wire.ToolCall.model_validate(c) for c in calls] or None,
+        )
         reason = "tool_calls" if calls else reason
         return wire.ChatChoice(
             index=choice.index, message=message, finish_reason=reason, logprobs=self.chat_logprobs(choice, outputs)
@@ -106,11 +118,13 @@ class ResponseShape:
 
 @dataclass(slots=True)
 class ChoiceStream:
-    """Turns one choice's deltas into SSE chunks. With tools, text that may be (part of) a tool
-    call is held back: `<tool_call>` blocks in `auto` mode, the whole reply when a call is forced."""
+    """Turns one choice's deltas into SSE chunks. Reasoning is split off first (`reasoning`
+    holds back a tag split across deltas); with tools, content that may be (part of) a tool call
+    is held back: `<tool_call>` blocks in `auto` mode, the whole reply when a call is forced."""
 
     shape: ResponseShape
     choice: Choice
+    reasoning: ReasoningStream
     held: str = ""
 
     def chunks(self, output: RequestOutput) -> list[str]:
@@ -120,11 +134,15 @@ class ChoiceStream:
             logprobs = self.shape.completion_logprobs(self.choice, [output])
             body = wire.CompletionChoice(index=index, text=output.new_text, finish_reason=reason, logprobs=logprobs)
             return [self.shape.chunk([body])]
-        visible = self._visible(output.new_text)
+        split = self.reasoning.feed(output.new_text)
+        if output.finished:
+            split += self.reasoning.finish()
+        visible = self._visible(split.content)
         chat_logprobs = self.shape.chat_logprobs(self.choice, [output])
         out = []
-        if visible or chat_logprobs is not None or not output.finished:
-            delta = wire.Delta(content=visible if visible or not output.finished else None)
+        if visible or split.reasoning or chat_logprobs is not None or not output.finished:
+            content = visible or (None if output.finished or split.reasoning else "")
+            delta = wire.Delta(reasoning_content=split.reasoning or None, content=content)
             out.append(self._chunk(delta, None, chat_logprobs))
         if output.finished:
             out.append(self._final_chunk(reason))

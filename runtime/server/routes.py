@@ -14,6 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ifb import __version__
 from ifb.runtime.engine_client import EngineClient
 from ifb.runtime.errors import AdmissionError
+from ifb.runtime.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser
 from ifb.runtime.server.errors import ModelNotFound, error_response
 from ifb.runtime.server.openai_protocol import (
     ChatCompletionRequest,
@@ -29,8 +30,9 @@ OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 
 
 class Routes:
-    def __init__(self, engine: EngineClient, model_names: tuple[str, ...]) -> None:
+    def __init__(self, engine: EngineClient, model_names: tuple[str, ...], reasoning: ReasoningParser) -> None:
         self.engine = engine
+        self.reasoning = reasoning
         self.model_names = model_names
         self.model_id = model_names[0]
 
@@ -74,8 +76,10 @@ class Routes:
         self.check_request(body)
         tools = body.tool_plan()
         messages = body.chat_messages()
-        prompt = await self.engine.off_loop(self.engine.apply_chat_template, messages, tools.template_tools())
-        return await self.respond(raw, body, [prompt], chat=True, tools=tools)
+        prompt, tail = await self.engine.off_loop(
+            _chat_prompt, self.engine, messages, tools.template_tools(), body.chat_template_kwargs, self.reasoning
+        )
+        return await self.respond(raw, body, [prompt], chat=True, tools=tools, prompt_tail=tail)
 
     async def respond(
         self,
@@ -84,7 +88,9 @@ class Routes:
         prompts: list[list[int]],
         chat: bool,
         tools: ToolPlan | None = None,
+        prompt_tail: str = "",
     ) -> Response:
+        """`prompt_tail`: the chat prompt's end as text, for a reasoning parser that reads it."""
         choices = [
             Choice(p_index * body.n + j, p_index, prompt, body.sampling_params(j))
             for p_index, prompt in enumerate(prompts)
@@ -93,7 +99,8 @@ class Routes:
         opened = await self.engine.open_streams([(c.prompt_token_ids, c.params) for c in choices])
         streams = [refuse_queue_timeouts(s) for s in opened]
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        shape = ResponseShape(response_id, int(time.time()), self.model_id, chat, self.engine.token_text, tools)
+        created, token_text = int(time.time()), self.engine.token_text
+        shape = ResponseShape(response_id, created, self.model_id, chat, token_text, tools, self.reasoning, prompt_tail)
         if body.stream:
             return await self._stream(shape, choices, streams, body)
         task = asyncio.ensure_future(collect_all(streams))
@@ -126,7 +133,9 @@ class Routes:
             self.check_model(body.model)
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages)
-            ids = await self.engine.off_loop(self.engine.apply_chat_template, chat.chat_messages())
+            ids = await self.engine.off_loop(
+                self.engine.apply_chat_template, chat.chat_messages(), None, body.chat_template_kwargs
+            )
         elif body.prompt is not None:
             ids = await self.engine.off_loop(self.engine.tokenize, body.prompt)
         else:
@@ -158,3 +167,16 @@ def _completion_prompts(engine: EngineClient, prompt: str | list[str] | list[int
     if all(isinstance(p, int) for p in prompt):
         return [engine.tokenize(prompt)]  # type: ignore[arg-type]
     return [engine.tokenize(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def _chat_prompt(
+    engine: EngineClient,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    reasoning: ReasoningParser,
+) -> tuple[list[int], str]:
+    """The chat prompt's token ids, and its end as text when the reasoning parser reads it."""
+    ids = engine.apply_chat_template(messages, tools, chat_template_kwargs)
+    tail = engine.detokenize(ids[-PROMPT_TAIL_TOKENS:]) if reasoning.reads_prompt else ""
+    return ids, tail

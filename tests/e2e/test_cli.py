@@ -24,6 +24,7 @@ from ifb.cli.main import cli
 from ifb.cli.run_command import RUN_OPTION_GROUPS, run, set_compute_threads
 from ifb.cli.serving_options import resolve_api_key
 from ifb.runtime.llm import LLM
+from ifb.runtime.reasoning import ReasoningParserKind
 
 MARKER_TEMPLATE = "{% for m in messages %}MARKER {{ m['content'] }} {% endfor %}"
 HI = [{"role": "user", "content": "hi"}]
@@ -326,6 +327,8 @@ def test_serve_builds_with_run_build_options_and_hands_every_setting_on(
         "9001",
         "--log-format",
         "json",
+        "--reasoning-parser",
+        "deepseek_r1",
         env={"IFB_API_KEY": "sesame"},
     )
     assert result.exit_code == 0, result.output
@@ -339,4 +342,5 @@ def test_serve_builds_with_run_build_options_and_hands_every_setting_on(
         "served_model_names": ("alias-a",),
         "api_key": "sesame",
         "allowed_origins": (),
+        "reasoning_parser": ReasoningParserKind.DEEPSEEK_R1,
     }

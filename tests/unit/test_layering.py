@@ -62,14 +62,16 @@ def test_the_scheduling_side_imports_no_torch() -> None:
     assert result.stdout.strip() == "[]"
 
 
-# The request's vocabulary (parameters, outputs, errors) and the EngineClient protocol: all the
-# server may know of the engine, so the in-process LLM and the Ray replica set serve alike.
+# The request's vocabulary (parameters, outputs, errors, how a reply splits into reasoning and
+# content) and the EngineClient protocol: all the server may know of the engine, so the
+# in-process LLM and the Ray replica set serve alike.
 SERVER_MAY_IMPORT = (
     "ifb.runtime.engine_client",
     "ifb.runtime.engine_snapshot",
     "ifb.runtime.errors",
     "ifb.runtime.guided",
     "ifb.runtime.outputs",
+    "ifb.runtime.reasoning",
     "ifb.runtime.request",
     "ifb.runtime.sampling_params",
     "ifb.runtime.server",
