@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "mistral": False,
     "qwen2": True,
     "qwen3": False,  # dense Qwen3 (0.6B-32B): per-head q/k RMSNorm, no bias
+    "smollm3": False,  # SmolLM3: Llama with every 4th layer's RoPE left out (NoPE)
 }
 QK_NORM_ARCHITECTURES = ("qwen3",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
@@ -44,8 +45,8 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        if model_type == "mistral":
-            raise UnsupportedModelError("sliding-window attention (Mistral sliding_window) is not supported")
+        if model_type in ("mistral", "smollm3"):
+            raise UnsupportedModelError(f"sliding-window attention ({model_type} sliding_window) is not supported")
     num_heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     bias = SUPPORTED_ARCHITECTURES[model_type] or bool(getattr(config, "attention_bias", False))
@@ -65,4 +66,11 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
         bos_token_id=getattr(config, "bos_token_id", None),
         eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
         qk_norm=model_type in QK_NORM_ARCHITECTURES,
+        no_rope_layers=_no_rope_layers(config),
     )
+
+
+def _no_rope_layers(config: Any) -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` is a 0/1 per layer, 1 = uses RoPE; we record the 0s' indices."""
+    flags = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
+    return tuple(index for index, uses_rope in enumerate(flags or ()) if not uses_rope)

@@ -1,4 +1,5 @@
-"""Tiny seeded random checkpoints written as real files: HF folders (Llama, Qwen2, Qwen3) and GGUFs."""
+"""Tiny seeded random checkpoints written as real files: HF folders (Llama, Qwen2, Qwen3, SmolLM3)
+and GGUFs."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def tiny_tokenizer(vocab_size: int = 320) -> Any:
 
 
 def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -68,6 +69,9 @@ def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
         # head_dim 32 with 4 heads of a 64-wide model, as Qwen3 (head_dim 128 at hidden 1024):
         # q's width differs from hidden, so head_dim must be read, not derived
         return Qwen3Config(**{"head_dim": 32, **common})
+    if architecture == "smollm3":
+        # layer 1 without RoPE; no pad id (its default, 128004, is past the tiny vocabulary)
+        return SmolLM3Config(**{"no_rope_layers": [1, 0], "pad_token_id": None, **common})
     raise ValueError(architecture)
 
 

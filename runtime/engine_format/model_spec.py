@@ -28,6 +28,8 @@ class ModelSpec:
     # Qwen3: each head's q and k are RMS-normalized (a weight of head_dim each) before RoPE.
     # Defaulted so engine.json records written before the field still read.
     qk_norm: bool = False
+    # SmolLM3: the layers (by index) whose attention takes no rotary embedding (every 4th there)
+    no_rope_layers: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -36,4 +38,5 @@ class ModelSpec:
     def from_json(cls, data: dict[str, Any]) -> ModelSpec:
         data = dict(data)
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        data["no_rope_layers"] = tuple(data.get("no_rope_layers", ()))
         return cls(**data)

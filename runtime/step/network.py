@@ -94,8 +94,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps) -> None:
+    def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps, rotary: bool = True) -> None:
         super().__init__()
+        self.rotary = rotary  # False in SmolLM3's NoPE layers: positions reach them only causally
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
@@ -121,8 +122,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-        q = apply_rope(self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        if self.rotary:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
         out = self.ops.attend(q, k_pool, v_pool, positions, layout, self.block_size, self.scale)
@@ -142,10 +145,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps) -> None:
+    def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps, index: int) -> None:
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, block_size, ops)
+        self.attn = Attention(spec, block_size, ops, rotary=index not in spec.no_rope_layers)
         self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
@@ -189,7 +192,7 @@ class StepNetwork(nn.Module):
         self.weight_formats = dict(weight_formats or {})
         self.weight_compute = WeightCompute(weight_compute)  # how the block-format layers multiply
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, block_size, ops) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, block_size, ops, index) for index in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:

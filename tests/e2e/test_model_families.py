@@ -1,9 +1,16 @@
-"""Model families beyond Llama through the real builder: Qwen3 from an HF folder and from a GGUF.
+"""Model families beyond Llama through the real builder: Qwen3 from an HF folder and from a GGUF,
+SmolLM3 (NoPE layers) from an HF folder.
 
 Pins: Qwen3's per-head q/k RMSNorm is recorded and applied (greedy equals transformers fp32 on an
 HF folder, and transformers' own GGUF load on a Q8_0 GGUF whose blocks stay blocks), head_dim is
 read from the GGUF's `attention.key_length` rather than derived from hidden/heads, and a Qwen3
-engine without the norms' tensors is refused naming them.
+engine without the norms' tensors is refused naming them; SmolLM3's layers without RoPE are
+recorded and skip it (greedy equals transformers), and its sliding-window variant is refused.
+
+The tiny models' random N(0, 0.08) weights make every attention score ~0 (attention uniform), so
+a network that got q/k norms or RoPE wrong gave the same greedy tokens; each fixture here scales
+the weights that shape the scores to trained-like sizes, and each test was checked to fail with
+the feature removed.
 """
 
 from __future__ import annotations
@@ -49,6 +56,23 @@ def qwen3_gguf(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> Pat
     return write_gguf(path, qwen3_dir, linear_type="Q8_0", embed_type="Q8_0")
 
 
+@pytest.fixture(scope="module")
+def smollm3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM3 with layer 1 of 2 NoPE; attention made position-sensitive (see the docstring)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_hf_checkpoint(tmp_path_factory.mktemp("tiny-smollm3"), "smollm3", seed=5)
+    state = load_file(str(folder / "model.safetensors"))
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in state.items():
+        if name.endswith("input_layernorm.weight"):
+            state[name] = 1 + 0.1 * torch.randn(tensor.shape, generator=generator)
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            state[name] = tensor * 3
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 def _build(source: Path, output: Path) -> Path:
     build_engine(source, output, BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
     return output
@@ -88,6 +112,25 @@ def test_qwen3_without_its_qk_norm_tensors_is_refused_naming_them(qwen3_dir: Pat
     state = load_file(str(qwen3_dir / "model.safetensors"))
     save_file({k: v for k, v in state.items() if "q_norm" not in k}, str(folder / "model.safetensors"))
     with pytest.raises(SourceError, match=r"model\.layers\.0\.self_attn\.q_norm\.weight"):
+        build_engine(folder, tmp_path / "engine", BuildOptions(dtype="fp32", **TINY_LIMITS))
+
+
+def test_smollm3_nope_layers_are_recorded_and_greedy_equals_transformers(smollm3_dir: Path, tmp_path: Path) -> None:
+    engine = Engine.load(_build(smollm3_dir, tmp_path / "smollm3"), StepMode.COMPILED)
+    spec = engine.config.spec
+    assert (spec.architecture, spec.no_rope_layers) == ("smollm3", (1,))
+    hf = AutoModelForCausalLM.from_pretrained(smollm3_dir, dtype=torch.float32).eval()
+    for prompt in prompts(spec.vocab_size, [5, 23, 40], seed=7):
+        expected = hf_greedy(hf, prompt, 24)
+        assert greedy_generate(engine, prompt, 24) == expected
+        assert greedy_generate(engine, prompt, 24, chunk=16) == expected
+
+
+def test_smollm3_with_a_sliding_window_is_refused(tmp_path: Path) -> None:
+    from ifb.builder.errors import UnsupportedModelError
+
+    folder = write_hf_checkpoint(tmp_path / "sliding", "smollm3", use_sliding_window=True, sliding_window=32)
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
         build_engine(folder, tmp_path / "engine", BuildOptions(dtype="fp32", **TINY_LIMITS))
 
 
