@@ -113,9 +113,9 @@ def _context_attention_per_row(
 
     Why not SDPA: its CPU kernels split queries and keys into blocks sized by the padded chunk
     and context lengths, and the GEMMs inside sum in an order that follows those sizes, so a
-    prompt's logits moved in the last bits with its chunking and with prefix reuse (SmolLM2,
-    5 of 20 chunkings of one prompt, up to 6e-5 in a logit; a reused chat prefix moved 2 of 8
-    first-token logprobs). Row by row in the kernel's one fixed order, a token's attention is
+    prompt's logits moved in the last bits with its chunking and with prefix reuse (SmolLM2: 9 of
+    20 two-chunk splits of one prompt, up to 6.3e-5 in a logit; a reused chat prefix moved 2 of
+    8 first-token logprobs). Row by row in the kernel's one fixed order, a token's attention is
     the same whether it is prefilled whole, in chunks, after a reused prefix, or decoded.
     Padded query entries repeat their request's last row and are computed twice, same value.
     """

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,14 @@ def tiny_qwen2_q8_engine(tmp_path_factory: pytest.TempPathFactory, tiny_qwen2_di
     output = tmp_path_factory.mktemp("engines") / "tiny-qwen2-q8_0"
     build_engine(tiny_qwen2_dir, output, BuildOptions(dtype="auto", weights="q8_0", compute="fp32", **TINY_LIMITS))
     return output
+
+
+@pytest.fixture
+def restore_root_logger() -> Iterator[None]:
+    """The CLI configures the root logger; later tests get it back as it was (modules that run
+    the CLI in-process use it for every test)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +29,7 @@ MARKER_TEMPLATE = "{% for m in messages %}MARKER {{ m['content'] }} {% endfor %}
 HI = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(autouse=True)
-def restore_root_logger() -> Iterator[None]:
-    """The CLI configures the root logger; later tests get it back as it was."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+pytestmark = pytest.mark.usefixtures("restore_root_logger")  # the CLI configures the root logger
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> Any:

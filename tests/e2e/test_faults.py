@@ -15,7 +15,6 @@ import dataclasses
 import errno
 import functools
 import hashlib
-import logging
 import os
 import re
 import shutil
@@ -23,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,14 +45,7 @@ BUILD_FLAGS += ["--dtype=fp32", "--compute=fp32"]
 IFB = [sys.executable, "-m", "ifb.cli.main"]
 
 
-@pytest.fixture(autouse=True)
-def restore_root_logger() -> Iterator[None]:
-    """The CLI configures the root logger; later tests get it back as it was."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+pytestmark = pytest.mark.usefixtures("restore_root_logger")  # the CLI configures the root logger
 
 
 # -- damage ---------------------------------------------------------------------------------------
