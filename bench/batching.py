@@ -152,11 +152,11 @@ def scheduler_cost_us(num_running: int = 64, steps: int = 2000, budget: StepBudg
         )
     for _ in range(2):  # prefill everyone
         batch = scheduler.schedule()
-        scheduler.update(batch, {r.request_id: 5 for r in batch.requests if r.sample})
+        scheduler.update(batch, {r.request_id: [5] for r in batch.requests if r.sample})
     start = time.perf_counter()
     for _ in range(steps):
         batch = scheduler.schedule()
-        scheduler.update(batch, {r.request_id: 5 for r in batch.requests})
+        scheduler.update(batch, {r.request_id: [5] for r in batch.requests})
     return (time.perf_counter() - start) / steps * 1e6
 
 

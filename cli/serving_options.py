@@ -24,6 +24,14 @@ SERVING_OPTION_GROUPS = {
     "Model": ("dtype", "max_model_len", "chat_template"),
     "Limits": ("max_batch_size", "max_num_tokens", "max_queued_requests", "queue_timeout", "default_max_tokens"),
     "Scheduling": ("policy", "chunking", "enable_prefix_reuse", "itl_target_ms", "calibrate"),
+    "Speculative decoding": (
+        "speculative",
+        "num_speculative_tokens",
+        "prompt_lookup_max",
+        "prompt_lookup_min",
+        "suffix_cache_tokens",
+        "speculative_config",
+    ),
     "Server": ("host", "port", "served_model_names", "api_key", "api_key_file", "allowed_origins", "reasoning_parser"),
     "Logging": ("log_level", "log_format"),
 }

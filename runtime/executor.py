@@ -32,7 +32,7 @@ import torch
 
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth, GuidedUsage, KvUsage
 from ifb.runtime.engine_threads import run_on_engine_thread
-from ifb.runtime.guided import fill_bitmask
+from ifb.runtime.guided import GuidedRow, fill_bitmask
 from ifb.runtime.live_request import LiveRequest, Sink
 from ifb.runtime.output_processor import OutputProcessor
 from ifb.runtime.outputs import RequestOutput
@@ -40,6 +40,7 @@ from ifb.runtime.request import FinishReason, Request
 from ifb.runtime.sampler import RowSample, Sampler
 from ifb.runtime.sampling_state import SamplingRow, SamplingState
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler
+from ifb.runtime.speculation.verification import VerifiedRow, cut_drafts_by_grammar, seeded_rewinds, verify_rows
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
@@ -63,6 +64,14 @@ class StepRecord:
     prefill_ids: tuple[str, ...]
     num_used_blocks: int
     predicted_ms: float | None = None  # the scheduler's cost-model prediction for this step
+    drafts: tuple[DraftRecord, ...] = ()  # speculation: each verified draft of the step
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRecord:
+    request_id: str
+    num_proposed: int
+    num_accepted: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +235,14 @@ class Executor:
 
     def _step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
+        batch = cut_drafts_by_grammar(batch, self._live)
         requests = [item.request for item in batch.requests]
-        sampling = [self._live[item.request_id] for item in batch.requests if item.sample]
-        rows = [SamplingRow(live.request, live.sampling) for live in sampling]
+        sampling = [(self._live[item.request_id], item) for item in batch.requests if item.sample]
+        rows = [
+            SamplingRow(live.request, live.sampling, item.draft_token_ids[:position])
+            for live, item in sampling
+            for position in range(item.num_sample_rows)
+        ]
         try:
             logits, bitmask = self._run_engine(batch, requests, rows)
         except Exception as error:
@@ -237,20 +251,30 @@ class Executor:
                 self._end(request, FinishReason.ERROR, f"engine step failed: {error}")
             self._publish()
             return
+        rewinds = seeded_rewinds(sampling, logits.shape[1])
         samples = self._sample(logits, rows, bitmask) if rows else []
         self._take_inbox(block=False)  # aborts that arrived during the step, before the update
-        kept = [(live, s) for live, s in zip(sampling, samples, strict=True) if not live.request.state.is_finished]
-        sampled = {live.request_id: s.token_id for live, s in kept}
-        logprobs = {live.request_id: s.logprob for live, s in kept}
-        stops = self.outputs.process((live, s.token_id) for live, s in kept)
-        produced = [self._live[r.request_id] for r in self.scheduler.update(batch, sampled, stops)]
-        outputs = [self.outputs.token_output(p, sampled[p.request_id], logprobs[p.request_id]) for p in produced]
+        verified = verify_rows(sampling, samples, rewinds)
+        kept = [v for v in verified if not v.live.request.state.is_finished]
+        # Token stops first (eos, max_tokens): no text is made for tokens after them.
+        for v in kept:
+            v.keep(self.scheduler.tokens_before_stop(v.live.request, v.tokens))
+        text_stops = self.outputs.process((v.live, v.tokens) for v in kept)
+        for v in kept:
+            if v.request_id in text_stops:
+                v.keep(text_stops[v.request_id].num_tokens)
+        sampled = {v.request_id: v.tokens for v in kept}
+        stops = {request_id: text_stop.stop for request_id, text_stop in text_stops.items()}
+        produced = {r.request_id for r in self.scheduler.update(batch, sampled, stops)}
+        outputs = [
+            (v.live, self.outputs.token_output(v.live, v.tokens, v.logprobs)) for v in kept if v.request_id in produced
+        ]
         self._publish()  # before the deltas: a caller that saw its last token sees it counted too
-        for live, output in zip(produced, outputs, strict=True):
+        for live, output in outputs:
             self._deliver(live, output)
-        self._tokens_since_summary += len(sampled)
+        self._tokens_since_summary += sum(len(v.tokens) for v in kept)
         self.scheduler.observe_step(batch, (time.perf_counter() - start) * 1e3)  # if it was predicted
-        self._record(batch, start)
+        self._record(batch, start, verified)
 
     def _run_engine(
         self, batch: ScheduledBatch, requests: list[Request], rows: list[SamplingRow]
@@ -261,17 +285,29 @@ class Executor:
         try:
             slices = [
                 RequestSlice(
-                    r.token_ids[r.num_computed_tokens : r.num_computed_tokens + item.num_new_tokens],
+                    [
+                        *r.token_ids[
+                            r.num_computed_tokens : r.num_computed_tokens
+                            + item.num_new_tokens
+                            - len(item.draft_token_ids)
+                        ],
+                        *item.draft_token_ids,
+                    ],
                     r.num_computed_tokens,
                     r.block_ids,
                     item.sample,
+                    item.num_sample_rows,
                 )
                 for r, item in zip(requests, batch.requests, strict=True)
             ]
             engine = self.engine
             assert engine is not None
             inputs = build_step_inputs(slices, engine.config.limits.block_size)
-            guided = [(i, row.state.grammar_matcher) for i, row in enumerate(rows) if row.state.grammar_matcher]
+            guided = [
+                GuidedRow(i, row.state.grammar_matcher, row.pending)
+                for i, row in enumerate(rows)
+                if row.state.grammar_matcher
+            ]
             # Masks are filled before the step, not beside it: the step releases the GIL, but it
             # uses both cores, so a mask thread would only take a core from it.
             bitmask = fill_bitmask(guided, len(rows), engine.config.spec.vocab_size) if guided else None
@@ -288,6 +324,9 @@ class Executor:
             logger.exception("sampling the batch failed; sampling its %d rows one by one", len(rows))
         samples = []
         for index, row in enumerate(rows):
+            if row.request.state.is_finished:  # an earlier row of its draft failed
+                samples.append(RowSample(-1, None))
+                continue
             mask = None if bitmask is None else bitmask[index : index + 1]
             try:
                 samples += self.sampler.sample(logits[index : index + 1], [row], mask).rows()
@@ -330,7 +369,7 @@ class Executor:
             guided=self._guided,
         )
 
-    def _record(self, batch: ScheduledBatch, start: float) -> None:
+    def _record(self, batch: ScheduledBatch, start: float, verified: list[VerifiedRow]) -> None:
         if not self.step_listeners:
             return
         record = StepRecord(
@@ -342,11 +381,12 @@ class Executor:
             prefill_ids=tuple(
                 item.request_id
                 for item in batch.requests
-                if item.num_new_tokens > 1
+                if item.num_prompt_chunk_tokens
                 or (not item.request.state.is_finished and item.request.num_output_tokens == 0)
             ),
             num_used_blocks=self.scheduler.kv.num_used_blocks,
             predicted_ms=batch.predicted_ms,
+            drafts=tuple(DraftRecord(v.request_id, len(v.draft), v.num_accepted) for v in verified if v.draft),
         )
         for listener in self.step_listeners:
             listener(record)

@@ -225,13 +225,28 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
         process.join(timeout=5)
 
 
-def fill_bitmask(matchers: list[tuple[int, Any]], num_rows: int, vocab_size: int) -> Any:
-    """One int32 bitmask for the step's sampling rows; only guided rows are filled."""
+@dataclass(frozen=True, slots=True)
+class GuidedRow:
+    """A guided sampling row: its index in the step's rows, its request's matcher, and the draft
+    tokens before its position (speculation) the mask must assume were accepted."""
+
+    row: int
+    matcher: Any
+    pending: tuple[int, ...] = ()
+
+
+def fill_bitmask(rows: list[GuidedRow], num_rows: int, vocab_size: int) -> Any:
+    """One int32 bitmask for the step's sampling rows; only guided rows are filled. A row after
+    draft tokens is filled with its matcher advanced over them, then rolled back."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
-    for row, matcher in matchers:
-        matcher.fill_next_token_bitmask(bitmask, row)
+    for guided in rows:
+        for token in guided.pending:  # drafts were cut to what the grammar accepts (verification.py)
+            guided.matcher.accept_token(token)
+        guided.matcher.fill_next_token_bitmask(bitmask, guided.row)
+        if guided.pending:
+            guided.matcher.rollback(len(guided.pending))
     return bitmask
 
 

@@ -125,6 +125,17 @@ class KVCacheManager:
             request.block_ids.append(self._pop_free())
         return True
 
+    def release_beyond(self, request: Request, num_tokens: int) -> None:
+        """Give back the tail blocks past the first `num_tokens` tokens' (the slots of rejected
+        speculative drafts): private to the request, never published, so straight to the free list."""
+        keep = self.blocks_for_tokens(num_tokens)
+        while len(request.block_ids) > keep:
+            block_id = request.block_ids.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first); cached ones stay reusable."""
         for block_id in reversed(request.block_ids):

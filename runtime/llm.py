@@ -35,6 +35,7 @@ from ifb.runtime.request_channel import RequestChannel
 from ifb.runtime.runtime_config import RuntimeSettings
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
+from ifb.runtime.speculation.factory import make_speculation
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step_budget.budgets import FixedBudget, StepBudget, make_step_budget
 from ifb.runtime.step_budget.cost_model import StepCostModel
@@ -70,6 +71,7 @@ class LLM(FrontendClient):
             make_capacity_policy(self.config.policy, kv),
             make_chunking_policy(self.config.chunking),
             budget,
+            speculation=make_speculation(self.config.speculation),
         )
 
     def _step_budget(self, cost_model: StepCostModel | None) -> StepBudget:

@@ -5,13 +5,22 @@ update, so a request is finished in exactly one place (Scheduler.update)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ifb.runtime.detokenizer import IncrementalDetokenizer
 from ifb.runtime.live_request import LiveRequest
 from ifb.runtime.outputs import RequestOutput, TokenLogprob
 from ifb.runtime.request import FinishReason, Request, Stop
+
+
+@dataclass(frozen=True, slots=True)
+class TextStop:
+    """A stop text or a grammar decided at a request's `num_tokens`-th new token of this step."""
+
+    num_tokens: int
+    stop: Stop
 
 
 class OutputProcessor:
@@ -24,27 +33,37 @@ class OutputProcessor:
         """A new request's detokenizer (its LiveRequest holds it)."""
         return IncrementalDetokenizer(self._tokenizer, request.token_ids, request.params.stop)
 
-    def process(self, sampled: Iterable[tuple[LiveRequest, int]]) -> dict[str, Stop]:
-        """Detokenize and advance the grammar for each sampled token; the stops they imply."""
-        stops: dict[str, Stop] = {}
-        for live, token in sampled:
-            request, detok = live.request, live.detokenizer
-            detok.push([token])
-            if detok.stopped:
-                stops[request.request_id] = Stop(FinishReason.STOP)
-            matcher = live.sampling.grammar_matcher
-            if matcher is None or matcher.is_terminated():
-                continue
-            if not matcher.accept_token(token):  # the mask forbids this: an internal fault, said so
-                stops[request.request_id] = Stop(
-                    FinishReason.ERROR, f"sampled token {token} is not allowed by the request's constraint"
-                )
-            elif matcher.is_terminated():
-                stops.setdefault(request.request_id, Stop(FinishReason.STOP))  # the constraint is complete
+    def process(self, sampled: Iterable[tuple[LiveRequest, Sequence[int]]]) -> dict[str, TextStop]:
+        """Detokenize and advance the grammar for each request's new tokens, in order; the stops
+        they imply. A stop at one token drops the tokens after it (a verified draft gives several):
+        `TextStop.num_tokens` says how many the request keeps."""
+        stops: dict[str, TextStop] = {}
+        for live, tokens in sampled:
+            for index, token in enumerate(tokens):
+                stop = self._push(live, token)
+                if stop is not None:
+                    stops[live.request_id] = TextStop(index + 1, stop)
+                    break
         return stops
 
-    def token_output(self, live: LiveRequest, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        return self._output(live, (token,), (logprob,) if logprob is not None else ())
+    @staticmethod
+    def _push(live: LiveRequest, token: int) -> Stop | None:
+        detok = live.detokenizer
+        detok.push([token])
+        stop = Stop(FinishReason.STOP) if detok.stopped else None
+        matcher = live.sampling.grammar_matcher
+        if matcher is None or matcher.is_terminated():
+            return stop
+        if not matcher.accept_token(token):  # the mask forbids this: an internal fault, said so
+            return Stop(FinishReason.ERROR, f"sampled token {token} is not allowed by the request's constraint")
+        if matcher.is_terminated():
+            return stop or Stop(FinishReason.STOP)  # the constraint is complete
+        return stop
+
+    def token_output(
+        self, live: LiveRequest, tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None]
+    ) -> RequestOutput:
+        return self._output(live, tuple(tokens), tuple(lp for lp in logprobs if lp is not None))
 
     def final_output(self, live: LiveRequest) -> RequestOutput:
         """The end of a request that finished outside a token (abort, error, shutdown)."""

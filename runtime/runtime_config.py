@@ -11,6 +11,15 @@ from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.reasoning import ReasoningParserKind
+from ifb.runtime.speculation.config import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
+    DEFAULT_SUFFIX_CACHE_TOKENS,
+    SpeculativeConfig,
+    SpeculativeMethod,
+    parse_speculative_config,
+)
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step_budget.budgets import DEFAULT_TARGET_DECODE_MULTIPLE, DEFAULT_TARGET_FLOOR_MS
 
@@ -82,8 +91,42 @@ class RuntimeSettings:
         "Re-measure the step cost model on this machine at start (a few seconds) instead of using the one "
         "ifb build recorded in engine.json.",
     )
+    speculative: SpeculativeMethod = option(
+        SpeculativeMethod.OFF,
+        "Speculative decoding: ngram drafts a decoding request's next tokens from its own prompt and output "
+        "(prompt lookup), suffix also from recent requests with the same cache_salt. Drafts are verified in "
+        "the same step as every other request, as many as the step budget's cost model says pay off: a "
+        "lone stream speculates, a full batch stops by itself. Output is what decoding without it gives.",
+    )
+    num_speculative_tokens: int = option(
+        DEFAULT_NUM_SPECULATIVE_TOKENS, "Most draft tokens a request verifies in one step.", minimum=1
+    )
+    prompt_lookup_max: int = option(DEFAULT_PROMPT_LOOKUP_MAX, "Longest n-gram a draft is matched on.", minimum=1)
+    prompt_lookup_min: int = option(DEFAULT_PROMPT_LOOKUP_MIN, "Shortest n-gram a draft is matched on.", minimum=1)
+    suffix_cache_tokens: int = option(
+        DEFAULT_SUFFIX_CACHE_TOKENS,
+        "Tokens of recent requests the suffix method keeps (4 bytes each), over all cache_salts.",
+        minimum=1,
+    )
+    speculative_config: str | None = option(
+        None,
+        'vLLM\'s form, a JSON object: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}; its keys override the flags above.',
+    )
+
+    def speculation(self) -> SpeculativeConfig:
+        """The speculative settings as one config (vLLM's JSON, if given, over the flags)."""
+        base = SpeculativeConfig(
+            self.speculative,
+            self.num_speculative_tokens,
+            self.prompt_lookup_max,
+            self.prompt_lookup_min,
+            self.suffix_cache_tokens,
+        )
+        return base if self.speculative_config is None else parse_speculative_config(self.speculative_config, base)
 
     def __post_init__(self) -> None:  # accept the enums' string values from CLIs and callers
+        object.__setattr__(self, "speculative", SpeculativeMethod(self.speculative))
         object.__setattr__(self, "policy", CapacityPolicyKind(self.policy))
         object.__setattr__(self, "chunking", ChunkingPolicyKind(self.chunking))
         object.__setattr__(self, "step_mode", StepMode(self.step_mode))
@@ -159,6 +202,7 @@ class RuntimeConfig:
     num_kv_blocks: int  # blocks the scheduler may use, <= the engine's pool
     itl_target_ms: float | None  # as RuntimeSettings: None = default, 0 = off
     calibrate: bool
+    speculation: SpeculativeConfig
 
 
 def check_minimums(settings: RuntimeSettings) -> None:
@@ -198,5 +242,6 @@ def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> R
             "max_batch_size": batch,
             "max_num_tokens": tokens,
             "num_kv_blocks": settings.kv_blocks or engine.limits.num_kv_blocks,
+            "speculation": settings.speculation(),
         }
     )

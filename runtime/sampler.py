@@ -43,15 +43,15 @@ class SampleResult:
         ]
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[int], requests: Sequence[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, rows: list[int], sampling_rows: Sequence[SamplingRow]) -> None:
     vocab = logits.shape[1]
     for row in rows:
-        request = requests[row]
-        p = request.params
-        output = torch.tensor(request.output_token_ids, dtype=torch.long)
+        sampling_row = sampling_rows[row]
+        p = sampling_row.request.params
+        output = torch.tensor(sampling_row.output_token_ids, dtype=torch.long)
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool)
-            seen[torch.tensor(request.token_ids, dtype=torch.long)] = True
+            seen[torch.tensor(sampling_row.token_ids, dtype=torch.long)] = True
             scores = logits[row]
             penalized = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
             logits[row] = torch.where(seen, penalized, scores)
@@ -93,7 +93,7 @@ class Sampler:
             if p.logit_bias:
                 index = torch.tensor(list(p.logit_bias), dtype=torch.long)
                 logits[row, index] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-            if request.num_output_tokens < p.min_tokens:
+            if rows[row].num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
                 if banned:
                     logits[row, torch.tensor(sorted(banned), dtype=torch.long)] = _NEG_INF
@@ -102,7 +102,7 @@ class Sampler:
             for i, r in enumerate(requests)
             if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
         ]
-        _apply_penalties(logits, penalized, requests)
+        _apply_penalties(logits, penalized, rows)
         if bitmask is not None:
             guided_rows = [i for i, row in enumerate(rows) if row.state.grammar_matcher is not None]
             apply_bitmask(logits, bitmask, guided_rows)

@@ -29,7 +29,22 @@ class SamplingState:
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
-    """One sampling row of a step: the request and its sampling state."""
+    """One sampling row of a step: the request and its sampling state. A row verifying a
+    speculative draft samples as if the draft tokens before its position (`pending`) were
+    already the request's: penalties and min_tokens see them."""
 
     request: Request
     state: SamplingState
+    pending: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.request.token_ids, *self.pending]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [*self.request.output_token_ids, *self.pending]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.pending)

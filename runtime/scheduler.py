@@ -1,9 +1,10 @@
 """Scheduler: each iteration decides who runs and with how many tokens; never touches tensors.
 
-schedule() -> ScheduledBatch (decodes first, then prefill chunks, then admissions);
-update(batch, tokens) appends sampled tokens, applies token-level stops, publishes full blocks
-to the prefix cache and frees finished requests. Collaborators come in through the
-constructor, so a fake engine can drive it in tests.
+schedule() -> ScheduledBatch (decodes first, then prefill chunks, then admissions, then any
+speculative drafts the step can afford); update(batch, tokens) appends sampled tokens (several
+for a verified draft), applies token-level stops, publishes full blocks to the prefix cache and
+frees finished requests. Collaborators come in through the constructor, so a fake engine can
+drive it in tests.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.policies import CapacityPolicy, ChunkingPolicy, aligned_chunk
 from ifb.runtime.request import FinishReason, Request, RequestState, Stop
 from ifb.runtime.scheduler_stats import SchedulerStats
+from ifb.runtime.speculation.planner import DraftRoom, NoSpeculation, Speculation, emitting_rows
 from ifb.runtime.step_budget.budgets import StepBudget, deepest_start, step_shape
 
 logger = logging.getLogger(__name__)
@@ -32,13 +34,27 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
+    """One request's part of a step. With `draft_token_ids` (speculation) it computes its next
+    token and the drafts after it, and samples at each of those 1 + len(draft) positions."""
+
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
     sample: bool
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def num_prompt_chunk_tokens(self) -> int:
+        """Tokens of a prompt chunk (more than one): the rows a prefill counts, drafts aside."""
+        n = self.num_new_tokens - len(self.draft_token_ids)
+        return n if n > 1 else 0
+
+    @property
+    def num_sample_rows(self) -> int:
+        return 1 + len(self.draft_token_ids) if self.sample else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +85,14 @@ class Scheduler:
         chunking: ChunkingPolicy,
         step_budget: StepBudget,
         clock: Callable[[], float] = time.perf_counter,
+        speculation: Speculation | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.capacity = capacity
         self.chunking = chunking
         self.step_budget = step_budget
+        self.speculation: Speculation = speculation or NoSpeculation()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -124,8 +142,40 @@ class Scheduler:
         for request, size in self.chunking.split(prefilling, prefill_budget, self.kv.block_size):
             if request.state is RequestState.RUNNING and self._reserve(request, size, chosen):
                 chosen[request.request_id] = (request, size)
-        batch = tuple(ScheduledRequest(r, n, r.num_computed_tokens + n == r.num_tokens) for r, n in chosen.values())
-        return ScheduledBatch(batch, self.step_budget.predict_ms(step_shape(chosen.values())))
+        drafts = self._drafts(chosen)
+        batch = tuple(
+            ScheduledRequest(
+                r,
+                n + len(drafts.get(r.request_id, ())),
+                r.num_computed_tokens + n == r.num_tokens,
+                drafts.get(r.request_id, ()),
+            )
+            for r, n in chosen.values()
+        )
+        return ScheduledBatch(
+            batch, self.step_budget.predict_ms(step_shape((i.request, i.num_new_tokens) for i in batch))
+        )
+
+    def _drafts(self, chosen: dict[str, tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
+        """The speculative drafts this step verifies, by request id, each with its KV slots
+        allocated; a draft never preempts anyone (it is optional: without blocks it is dropped)."""
+        decodes = tuple(r for r, n in chosen.values() if n == 1 and r.is_decoding)
+        if not decodes:
+            return {}
+        room = DraftRoom(
+            decodes=decodes,
+            shape=step_shape(chosen.values()),
+            num_emitting_rows=emitting_rows(list(chosen.values())),
+            tokens_left=self.config.max_num_tokens - sum(n for _, n in chosen.values()),
+            logits_rows_left=self.config.max_batch_size - emitting_rows(list(chosen.values())),
+            max_seq_len=self.config.max_seq_len,
+        )
+        planned = self.speculation.plan(room, self.step_budget)
+        return {
+            request_id: draft
+            for request_id, draft in planned.items()
+            if self.kv.allocate(chosen[request_id][0], 1 + len(draft))
+        }
 
     def _reserve(self, request: Request, num_tokens: int, chosen: dict[str, tuple[Request, int]]) -> bool:
         """Allocate blocks for this step, preempting (policy permitting) until they fit."""
@@ -191,11 +241,17 @@ class Scheduler:
 
     # -- update -------------------------------------------------------------------------------
     def update(
-        self, batch: ScheduledBatch, sampled: Mapping[str, int], stops: Mapping[str, Stop] | None = None
+        self, batch: ScheduledBatch, sampled: Mapping[str, Sequence[int]], stops: Mapping[str, Stop] | None = None
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish stopped requests: token stops
         (eos, stop ids, max_tokens, max_seq_len) and `stops` decided from text and grammars by
-        the output processor. The one place a running request is finished after a step.
+        the output processor (a stop there ends the request at its last token given). The one
+        place a running request is finished after a step.
+
+        A sampling row gives one token, a verified draft its kept drafts and the token after
+        them (executor: speculation/verification.py); tokens after a token stop are dropped.
+        Only verified tokens ever count as computed, so no unverified token is published to the
+        prefix cache, and blocks that held only rejected drafts go back to the pool.
 
         Returns the requests that produced a token this step (finished ones included).
         """
@@ -207,27 +263,63 @@ class Scheduler:
             request = item.request
             if request.state is not RequestState.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
+            tokens = sampled[item.request_id] if item.sample else ()
+            # Computed: the step's tokens before its drafts, and the drafts that were kept (all
+            # given tokens but the last, which is the next one to compute).
+            kept_drafts = max(0, len(tokens) - 1) if item.draft_token_ids else 0
+            request.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + kept_drafts
             if request.num_computed_tokens <= request.num_prompt_tokens:
                 self.stats.prompt_tokens += item.num_new_tokens
-            if item.sample:
-                token = sampled[item.request_id]
-                request.token_ids.append(token)
-                self.stats.generation_tokens += 1
-                if request.times.first_token is None:
-                    request.times.first_token = now
-                request.times.last_token = now
-                produced.append(request)
-                stop = stops.get(item.request_id)
-                if stop is not None:
-                    self.finish(request, stop.reason, stop.error)
-                    continue
-                reason = self._token_stop(request, token)
-                if reason is not None:
-                    self.finish(request, reason)
-                    continue
-            self.kv.publish(request)
+            if not item.sample:
+                self.kv.publish(request)
+                continue
+            if item.draft_token_ids:
+                self._count_draft(request, item.draft_token_ids, tokens)
+            produced.append(request)
+            if request.times.first_token is None:
+                request.times.first_token = now
+            request.times.last_token = now
+            reason = self._append(request, tokens)
+            stop = stops.get(item.request_id)
+            if stop is not None:
+                self.finish(request, stop.reason, stop.error)
+            elif reason is not None:
+                self.finish(request, reason)
+            else:
+                if item.draft_token_ids:
+                    self.kv.release_beyond(request, request.num_tokens)
+                self.kv.publish(request)
         return produced
+
+    def _append(self, request: Request, tokens: Iterable[int]) -> FinishReason | None:
+        """Append tokens up to the first that stops the request; that token's reason."""
+        for token in tokens:
+            request.token_ids.append(token)
+            self.stats.generation_tokens += 1
+            reason = self._token_stop(request, token)
+            if reason is not None:
+                return reason
+        return None
+
+    def _count_draft(self, request: Request, draft: Sequence[int], tokens: Sequence[int]) -> None:
+        accepted = 0
+        while accepted < min(len(draft), len(tokens)) and draft[accepted] == tokens[accepted]:
+            accepted += 1
+        self.speculation.observe(request, len(draft), accepted)
+        self.stats.spec_num_drafts += 1
+        self.stats.spec_num_draft_tokens += len(draft)
+        self.stats.spec_num_accepted_tokens += accepted
+        self.stats.spec_num_emitted_tokens += len(tokens)
+
+    def tokens_before_stop(self, request: Request, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the request would append before a token stop ends it (the
+        stopping token included): what the output processor may turn into text."""
+        count = request.num_output_tokens
+        for index, token in enumerate(tokens):
+            count += 1
+            if self._stops_at(request, token, count, request.num_prompt_tokens + count) is not None:
+                return index + 1
+        return len(tokens)
 
     def observe_step(self, batch: ScheduledBatch, measured_ms: float) -> None:
         """The measured time of a step this scheduler predicted: the step budget learns from it."""
@@ -235,13 +327,17 @@ class Scheduler:
             self.step_budget.observe_step(batch.predicted_ms, measured_ms, batch.has_prefill_chunk)
 
     def _token_stop(self, request: Request, token: int) -> FinishReason | None:
+        return self._stops_at(request, token, request.num_output_tokens, request.num_tokens)
+
+    def _stops_at(self, request: Request, token: int, num_output: int, num_tokens: int) -> FinishReason | None:
+        """The reason `token` stops the request once it holds `num_output` outputs, `num_tokens` in all."""
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if token in params.stop_token_ids:
                 return FinishReason.STOP
             if not params.ignore_eos and token in request.eos_token_ids:
                 return FinishReason.STOP
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_seq_len:
+        if num_output >= request.max_tokens or num_tokens >= self.config.max_seq_len:
             return FinishReason.LENGTH
         return None
 
@@ -260,6 +356,7 @@ class Scheduler:
         request.finish_reason = reason
         request.error = error
         request.times.finished = self._clock()
+        self.speculation.finished(request)
         if request.timed_out_in_queue:
             self.stats.refused += 1
         elif reason is FinishReason.ABORT:

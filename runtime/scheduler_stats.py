@@ -27,6 +27,12 @@ class SchedulerCounters:
     num_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # Speculation, vLLM's spec_decode counters: verified drafts, their tokens, the tokens of them
+    # that held, and what those steps emitted (kept drafts and the token after them).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_emitted_tokens: int = 0
 
     @property
     def queue_latency_avg_s(self) -> float:

@@ -1,7 +1,9 @@
 """StepInputs: one scheduler iteration turned into the flat tensors of the engine step contract.
 
 Context chunks (several query tokens) are packed first, then one token per decoding request
-(docs/design.md §3). Logits come back in the order the sampling slices were given, not packed order.
+(docs/design.md §3). Logits come back in the order the sampling slices were given, not packed order;
+a slice verifying a speculative draft (a chunk of its next token and the drafts) gives one row
+per position.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class RequestSlice:
     start_position: int  # = the request's num_computed_tokens before this step
     block_table: Sequence[int]
     sample: bool  # True for a decode token and for a prompt's last chunk
+    num_logits: int = 1  # of a sampling slice: its last rows that sample (1 + drafts, speculation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +66,7 @@ def build_step_inputs(slices: Sequence[RequestSlice], block_size: int) -> StepIn
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    last_row: dict[int, int] = {}
+    sample_rows: dict[int, list[int]] = {}
     context_rows: list[list[int]] = []
     context_tables: list[list[int]] = []
     decode_rows: list[int] = []
@@ -80,7 +83,7 @@ def build_step_inputs(slices: Sequence[RequestSlice], block_size: int) -> StepIn
             positions.append(pos)
             slots.append(piece.block_table[pos // block_size] * block_size + pos % block_size)
         rows = list(range(first, len(input_ids)))
-        last_row[id(piece)] = rows[-1]
+        sample_rows[id(piece)] = rows[-piece.num_logits :]
         table = list(piece.block_table[:num_blocks])
         if len(piece.token_ids) > 1:
             context_rows.append(rows)
@@ -92,7 +95,7 @@ def build_step_inputs(slices: Sequence[RequestSlice], block_size: int) -> StepIn
     chunk = max((len(r) for r in context_rows), default=1)
     context_width = max((len(t) for t in context_tables), default=1)
     decode_width = max((len(t) for t in decode_tables), default=1)
-    logits_rows = [last_row[id(s)] for s in slices if s.sample]
+    logits_rows = [row for s in slices if s.sample for row in sample_rows[id(s)]]
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),

@@ -66,6 +66,11 @@ class StepBudget(Protocol):
 
     def predict_ms(self, shape: StepShape) -> float | None: ...
 
+    def step_target_ms(self, shape: StepShape) -> float | None:
+        """The most a step shaped like `shape` may be predicted to take (uncorrected, like
+        predict_ms), for what is added after its prefill (speculative drafts); None = no bound."""
+        ...
+
     def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
         """A finished step's predicted and measured time (the whole loop iteration)."""
         ...
@@ -84,6 +89,9 @@ class FixedBudget:
 
     def predict_ms(self, shape: StepShape) -> float | None:
         return None if self.cost_model is None else self.cost_model.predict_ms(shape)
+
+    def step_target_ms(self, shape: StepShape) -> float | None:
+        return None  # no latency target: max_num_tokens is the only bound
 
     def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
         return None  # nothing to size
@@ -126,6 +134,9 @@ class LatencyTargetBudget(_CorrectedTarget):
     def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
         return self._fitting_chunk(token_budget, self._target_ms, decode, prefill_start)
 
+    def step_target_ms(self, shape: StepShape) -> float | None:
+        return self._target_ms / self.correction.ratio
+
 
 class RelativeTargetBudget(_CorrectedTarget):
     """The largest prefill chunk that keeps the corrected predicted step within `multiple` x this
@@ -150,6 +161,14 @@ class RelativeTargetBudget(_CorrectedTarget):
         # over their prediction as well, this errs toward smaller chunks (lower gaps).
         target = max(self._floor_ms, self._multiple * self.cost_model.predict_ms(decode))
         return self._fitting_chunk(token_budget, target, decode, prefill_start)
+
+    def step_target_ms(self, shape: StepShape) -> float | None:
+        decode = StepShape(
+            num_decode_rows=shape.num_decode_rows, num_decode_context_tokens=shape.num_decode_context_tokens
+        )
+        if decode.num_decode_rows == 0:
+            return None
+        return max(self._floor_ms, self._multiple * self.cost_model.predict_ms(decode)) / self.correction.ratio
 
 
 def step_shape(chosen: Iterable[tuple[Request, int]]) -> StepShape:

@@ -99,11 +99,24 @@ class FakeEngine:
         sampled = {}
         for item in batch.requests:
             if item.sample:
-                request = item.request
-                sampled[item.request_id] = (request.token_ids[-1] + 1) % 1000 or 3
+                sampled[item.request_id] = self.verified(item.request.token_ids[-1], item.draft_token_ids)
         self.scheduler.update(batch, sampled)
         self.scheduler.check_integrity()
         return batch
+
+    @staticmethod
+    def next_token(token: int) -> int:
+        return (token + 1) % 1000 or 3
+
+    def verified(self, last: int, draft: tuple[int, ...]) -> list[int]:
+        """What the model emits for a row and its drafts: the drafts it agrees with, then its own."""
+        emitted = []
+        for proposed in draft:
+            if proposed != self.next_token(last):
+                break
+            emitted.append(proposed)
+            last = proposed
+        return [*emitted, self.next_token(last)]
 
     def run_until_idle(self, max_steps: int = 10_000) -> int:
         steps = 0

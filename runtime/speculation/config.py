@@ -1,0 +1,86 @@
+"""SpeculativeConfig: which proposer drafts tokens and how far; vLLM's `--speculative-config`
+JSON is read into the same object, so each knob is defined once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any
+
+from ifb.runtime.errors import LimitExceededError
+
+# Longer drafts cost a row each and are accepted ever more rarely (acceptance compounds per
+# token); the planner usually stops earlier, this bounds the lookup and the step's logits rows.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+# 64k tokens = 256 KiB of int32s: a lookup scans the whole cache at memchr-like speed
+# (bytes.rfind), ~30 us for the lot, so a step with 32 requests spends about 1 ms on it.
+DEFAULT_SUFFIX_CACHE_TOKENS = 65536
+
+
+class SpeculativeMethod(str, Enum):
+    OFF = "off"
+    NGRAM = "ngram"  # prompt lookup in the request's own prompt and output
+    SUFFIX = "suffix"  # the same, then recent requests' text (same cache_salt)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: SpeculativeMethod = SpeculativeMethod.OFF
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    suffix_cache_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", SpeculativeMethod(self.method))
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "suffix_cache_tokens"):
+            if getattr(self, name) < 1:
+                raise LimitExceededError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise LimitExceededError(
+                f"prompt_lookup_max {self.prompt_lookup_max} must be >= prompt_lookup_min {self.prompt_lookup_min}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not SpeculativeMethod.OFF
+
+
+# vLLM's keys -> ours; "method" takes vLLM's names too ("ngram", "suffix").
+_VLLM_KEYS = {
+    "method": "method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "suffix_cache_tokens": "suffix_cache_tokens",
+}
+
+
+def parse_speculative_config(text: str, base: SpeculativeConfig) -> SpeculativeConfig:
+    """vLLM's `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, ...}'` over
+    `base` (the separate flags); an unknown key or method is an error naming it."""
+    try:
+        record: Any = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise LimitExceededError(f"speculative_config is not JSON: {error}") from None
+    if not isinstance(record, dict):
+        raise LimitExceededError("speculative_config must be a JSON object")
+    unknown = sorted(set(record) - set(_VLLM_KEYS))
+    if unknown:
+        raise LimitExceededError(
+            f"speculative_config: unsupported key(s) {', '.join(unknown)}; supported: {', '.join(_VLLM_KEYS)}"
+        )
+    method = record.get("method", base.method.value if base.enabled else SpeculativeMethod.NGRAM.value)
+    if method not in {m.value for m in SpeculativeMethod}:
+        raise LimitExceededError(
+            f"speculative_config: method {method!r} is not supported here; "
+            f"choose one of {', '.join(m.value for m in SpeculativeMethod)}"
+        )
+    values = {_VLLM_KEYS[key]: value for key, value in record.items() if key != "method"}
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise LimitExceededError(f"speculative_config: {key} must be an integer, got {value!r}")
+    return replace(base, method=SpeculativeMethod(method), **values)

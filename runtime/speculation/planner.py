@@ -1,0 +1,181 @@
+"""SpeculationPlanner: how many drafted tokens each decoding request verifies this step.
+
+A draft token is one more row of its request in the packed step. Its worth is the tokens it is
+expected to add, alpha^j for the j-th (a request's running per-token acceptance rate, compounded),
+against what the step budget's cost model says it adds to the step. A request gets the draft
+length that most raises the step's expected tokens per millisecond, and only if that beats the
+step without it by a margin: a lone stream (one row, the weights read for one token) speculates
+deep; a compute-bound batch, whose every row already earns a token, stops by itself. Drafts
+never push the predicted step past the budget's inter-token target, use tokens or logits rows
+the step no longer has, or run past a request's max_tokens or the sequence limit. Prefill
+chunks are chosen before drafts and never give way to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ifb.runtime.request import Request
+from ifb.runtime.step_budget.budgets import StepBudget
+from ifb.runtime.step_budget.cost_model import StepShape
+
+logger = logging.getLogger(__name__)
+
+# A draft must raise the step's predicted tokens/ms by this much: the cost model's scatter is a
+# few percent (measured/predicted p50 within 5% on SmolLM2), and a draft that only breaks even
+# on paper loses when the prediction is low.
+MIN_RATE_GAIN = 0.05
+# Acceptance is tracked per request with this decay per verified step (a window of ~10 steps),
+# from a prior of one accepted and one rejected token: a new request starts at 0.5.
+ACCEPTANCE_DECAY = 0.9
+_PRIOR_ACCEPTED = 1.0
+_PRIOR_TRIED = 2.0
+
+
+class Proposer(Protocol):
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens that may follow the request's known tokens; [] for none."""
+        ...
+
+    def finished(self, request: Request) -> None:
+        """A request ended (a cross-request proposer keeps its text)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRoom:
+    """What a step has left for drafts once its decodes and prefill chunks are chosen."""
+
+    decodes: tuple[Request, ...]  # requests decoding one token this step, in step order
+    shape: StepShape  # the step as chosen so far
+    num_emitting_rows: int  # rows that produce a token this step (decodes, last prompt chunks)
+    tokens_left: int  # of max_num_tokens
+    logits_rows_left: int  # of the step contract's max_batch_size logits rows
+    max_seq_len: int
+
+
+def acceptance_rate(request: Request) -> float:
+    return (request.draft_accepted + _PRIOR_ACCEPTED) / (request.draft_tried + _PRIOR_TRIED)
+
+
+def draft_limit(request: Request, max_draft: int, max_seq_len: int) -> int:
+    """Drafts a request may verify: every kept draft and the token after it are outputs."""
+    return max(0, min(max_draft, request.max_tokens - request.num_output_tokens - 1, max_seq_len - request.num_tokens))
+
+
+def with_draft(shape: StepShape, request: Request, num_draft: int) -> StepShape:
+    """`shape` with the request's decode row replaced by a chunk of itself and its drafts."""
+    start = request.num_computed_tokens
+    size = 1 + num_draft
+    return replace(
+        shape,
+        num_decode_rows=shape.num_decode_rows - 1,
+        num_decode_context_tokens=shape.num_decode_context_tokens - (start + 1),
+        num_prefill_tokens=shape.num_prefill_tokens + size,
+        num_prefill_pairs=shape.num_prefill_pairs + StepShape.prefill_pairs(start, size),
+    )
+
+
+def expected_extra_tokens(alpha: float, num_draft: int) -> float:
+    """alpha + alpha^2 + ... + alpha^k: the j-th draft counts only if every one before it held."""
+    return sum(alpha**j for j in range(1, num_draft + 1))
+
+
+def _worth(
+    budget: StepBudget,
+    shape: StepShape,
+    request: Request,
+    alpha: float,
+    limit: int,
+    step_ms: float,
+    emitted: float,
+    target_ms: float | None,
+) -> int:
+    """The draft length (<= limit) that most raises expected tokens per predicted ms, if it
+    raises them by MIN_RATE_GAIN and stays within the target; 0 if none does."""
+    base_rate = emitted / step_ms if step_ms > 0 else 0.0
+    best, best_rate = 0, base_rate * (1 + MIN_RATE_GAIN)
+    for k in range(1, limit + 1):
+        predicted = budget.predict_ms(with_draft(shape, request, k))
+        if predicted is None or predicted <= 0 or (target_ms is not None and predicted > target_ms):
+            break
+        rate = (emitted + expected_extra_tokens(alpha, k)) / predicted
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+class NoSpeculation:
+    """Speculation off: no drafts, nothing observed."""
+
+    def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        return None
+
+    def finished(self, request: Request) -> None:
+        return None
+
+
+class SpeculationPlanner:
+    def __init__(self, proposer: Proposer, max_draft: int) -> None:
+        self.proposer = proposer
+        self.max_draft = max_draft
+
+    def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]:
+        """request id -> the drafts it verifies this step (only requests that get some)."""
+        tokens_left, rows_left = room.tokens_left, room.logits_rows_left
+        shape = room.shape
+        step_ms = budget.predict_ms(shape)
+        target_ms = budget.step_target_ms(shape)
+        emitted = float(room.num_emitting_rows)
+        drafts: dict[str, tuple[int, ...]] = {}
+        for request in sorted(room.decodes, key=acceptance_rate, reverse=True):
+            limit = min(draft_limit(request, self.max_draft, room.max_seq_len), tokens_left, rows_left)
+            if limit <= 0:
+                continue
+            alpha = acceptance_rate(request)
+            if step_ms is not None and not _worth(budget, shape, request, alpha, limit, step_ms, emitted, target_ms):
+                continue  # not even a full draft would pay: skip the lookup
+            draft = self.proposer.propose(request, limit)[:limit]
+            if step_ms is not None:
+                draft = draft[: _worth(budget, shape, request, alpha, len(draft), step_ms, emitted, target_ms)]
+            if not draft:
+                continue
+            drafts[request.request_id] = tuple(draft)
+            tokens_left -= len(draft)
+            rows_left -= len(draft)
+            if step_ms is not None:
+                shape = with_draft(shape, request, len(draft))
+                step_ms = budget.predict_ms(shape) or step_ms
+                emitted += expected_extra_tokens(alpha, len(draft))
+        return drafts
+
+    def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        """A verified draft: the first `num_accepted` of `num_draft` tokens held. Tokens after a
+        rejection were never tried, so the per-token rate counts the rejection once."""
+        tried = num_accepted + (1 if num_accepted < num_draft else 0)
+        request.draft_accepted = request.draft_accepted * ACCEPTANCE_DECAY + num_accepted
+        request.draft_tried = request.draft_tried * ACCEPTANCE_DECAY + tried
+
+    def finished(self, request: Request) -> None:
+        self.proposer.finished(request)
+
+
+class Speculation(Protocol):
+    """What the scheduler holds: a planner, or NoSpeculation."""
+
+    def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]: ...
+
+    def observe(self, request: Request, num_draft: int, num_accepted: int) -> None: ...
+
+    def finished(self, request: Request) -> None: ...
+
+
+def emitting_rows(num_new_tokens: Sequence[tuple[Request, int]]) -> int:
+    """Rows of a chosen step that produce a token: decodes, and the chunks that end a prompt."""
+    return sum(1 for request, n in num_new_tokens if request.num_computed_tokens + n == request.num_tokens)
