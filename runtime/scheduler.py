@@ -280,6 +280,9 @@ class Scheduler:
                 request.times.first_token = now
             request.times.last_token = now
             reason = self._append(request, tokens)
+            # A token stop inside a verified draft drops the kept drafts after it: no longer known
+            # tokens, they must not count as computed (publish would hash a partial block).
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             stop = stops.get(item.request_id)
             if stop is not None:
                 self.finish(request, stop.reason, stop.error)

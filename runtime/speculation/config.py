@@ -74,7 +74,7 @@ def parse_speculative_config(text: str, base: SpeculativeConfig) -> SpeculativeC
             f"speculative_config: unsupported key(s) {', '.join(unknown)}; supported: {', '.join(_VLLM_KEYS)}"
         )
     method = record.get("method", base.method.value if base.enabled else SpeculativeMethod.NGRAM.value)
-    if method not in {m.value for m in SpeculativeMethod}:
+    if not isinstance(method, str) or method not in {m.value for m in SpeculativeMethod}:  # a list is unhashable
         raise LimitExceededError(
             f"speculative_config: method {method!r} is not supported here; "
             f"choose one of {', '.join(m.value for m in SpeculativeMethod)}"
