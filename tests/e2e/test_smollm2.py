@@ -13,6 +13,7 @@ from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.sources import load_model, resolve_source
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
+from ifb.runtime.step_budget.budgets import FixedBudget
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +93,24 @@ def test_guided_json_on_smollm2_validates_across_seeds(smollm2_engine: Path) -> 
     for output in outputs[:4]:
         jsonschema.validate(json.loads(output.text), schema)
     assert outputs[4].text in ("Paris", "London", "Rome")  # the constraint, not the model's geography
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculation_gives_the_same_greedy_answers(smollm2_engine: Path, method: str) -> None:
+    """The real model quoting and rewriting given text, where drafts from the prompt mostly hold:
+    with speculation on, each answer is token for token the answer without it."""
+    questions = [
+        "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+        "Rewrite with a type hint: def add(a, b):\n    return a + b",
+        QUESTIONS[0],
+    ]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    with LLM(smollm2_engine) as llm:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+        off = llm.generate(prompts, params)
+    with LLM(smollm2_engine, speculative=method) as llm:
+        llm.executor.scheduler.step_budget = FixedBudget()  # every proposal verified: see test_speculative.py
+        on = llm.generate(prompts, params) + [llm.generate([p], params)[0] for p in prompts]
+        counters = llm.stats().counters
+    assert [o.token_ids for o in on] == [o.token_ids for o in off] * 2
+    assert counters.spec_num_accepted_tokens > 0
