@@ -55,6 +55,8 @@ def _table(rows: dict[str, dict[str, Any]]) -> str:
         ("prefix hit", "prefix_hit_rate", 100),
         ("KV peak", "kv_peak_blocks", 1),
         ("busy seat-steps", "busy_seat_steps", 1),
+        ("tok/step", "tokens_per_step", 1),
+        ("accept %", "acceptance_rate", 100),
     ]
     head = f"{'mode':22s}" + "".join(f"{label:>11s}" for label, _, _ in columns)
     lines = [head, "(latencies in ms, prefix hit in %)"]
@@ -78,6 +80,10 @@ def _row(run: ModeRun, slo: Slo) -> dict[str, Any]:
             kv_peak_blocks=max((s.num_used_blocks for s in run.steps), default=0),
             busy_seat_steps=sum(s.num_requests for s in run.steps),
             steps=len(run.steps),
+            tokens_per_step=counters["generation_tokens"] / len(run.steps) if run.steps else None,
+            acceptance_rate=counters["spec_num_accepted_tokens"] / counters["spec_num_draft_tokens"]
+            if counters["spec_num_draft_tokens"]
+            else None,
         )
     return row
 

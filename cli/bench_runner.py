@@ -24,6 +24,8 @@ MODE_OPTIONS: dict[str, dict[str, Any]] = {
     "static_batch": {"policy": "static_batch"},
     "guaranteed_no_evict": {"policy": "guaranteed_no_evict"},
     "max_utilization": {"policy": "max_utilization"},
+    "ngram": {"speculative": "ngram"},  # guaranteed_no_evict with prompt-lookup speculation
+    "suffix": {"speculative": "suffix"},
 }
 
 Progress = Callable[[int], None]

@@ -32,6 +32,23 @@ def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:
     }
 
 
+def speculative_block(snapshot: EngineSnapshot, config: RuntimeConfig) -> dict[str, Any]:
+    """What speculation is set to and how its drafts fare (over the server's life so far)."""
+    c, spec = snapshot.counters, config.speculation
+    return {
+        "method": spec.method.value,
+        "num_speculative_tokens": spec.num_speculative_tokens if spec.enabled else None,
+        "num_drafts": c.spec_num_drafts,
+        "num_draft_tokens": c.spec_num_draft_tokens,
+        "num_accepted_tokens": c.spec_num_accepted_tokens,
+        "acceptance_rate": round(c.spec_num_accepted_tokens / c.spec_num_draft_tokens, 4)
+        if c.spec_num_draft_tokens
+        else None,
+        "mean_accepted_length": round(c.spec_num_accepted_tokens / c.spec_num_drafts, 3) if c.spec_num_drafts else None,
+        "tokens_per_step": round(c.generation_tokens / c.num_steps, 3) if c.num_steps else None,
+    }
+
+
 def engine_block(engine: EngineConfig) -> dict[str, Any]:
     """How the engine computes: what a user comparing speed or quality needs to know."""
     return {
@@ -83,6 +100,7 @@ def health_body(
             "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
         },
+        "speculative": speculative_block(snapshot, config),
         "guided": {
             "guided_requests": guided.num_requests,
             "grammar_compile_seconds_total": guided.compile_seconds_total,

@@ -66,7 +66,9 @@ class LLM(FrontendClient):
         # then no step runs, so the fixed budget never schedules one.
         budget = FixedBudget() if self.config.calibrate else self._step_budget(self.engine_config.cost_model)
         return Scheduler(
-            SchedulerConfig(self.config.max_batch_size, self.config.max_num_tokens, limits.max_seq_len),
+            SchedulerConfig(
+                self.config.max_batch_size, self.config.max_num_tokens, limits.max_seq_len, limits.max_batch_size
+            ),
             kv,
             make_capacity_policy(self.config.policy, kv),
             make_chunking_policy(self.config.chunking),

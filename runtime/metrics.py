@@ -15,6 +15,7 @@ from ifb.runtime.request import Request
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 # measured / predicted - 1: 0 is a perfect prediction, 0.5 a step 50% slower than predicted.
 _PREDICTION_ERROR_BUCKETS = (-0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 2, 4)
+_ACCEPTANCE_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
 class _SchedulerCollector(Collector):
@@ -45,6 +46,16 @@ class _SchedulerCollector(Collector):
             "ifb:request_rejected": ("Requests refused with 429 (server full or queue timeout).", c.refused),
             "ifb:guided_requests": ("Requests with a guided-decoding constraint.", snapshot.guided.num_requests),
             "ifb:grammar_compile_seconds": ("Time spent compiling constraints.", snapshot.guided.compile_seconds_total),
+            "ifb:spec_decode_num_drafts": ("Speculative drafts verified.", c.spec_num_drafts),
+            "ifb:spec_decode_num_draft_tokens": ("Draft tokens proposed and verified.", c.spec_num_draft_tokens),
+            "ifb:spec_decode_num_accepted_tokens": (
+                "Draft tokens the target model agreed with.",
+                c.spec_num_accepted_tokens,
+            ),
+            "ifb:spec_decode_num_emitted_tokens": (
+                "Tokens emitted by steps that verified a draft (accepted drafts and the token after them).",
+                c.spec_num_emitted_tokens,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -77,6 +88,12 @@ class Metrics:
             buckets=_PREDICTION_ERROR_BUCKETS,
             registry=r,
         )
+        self.acceptance_length = Histogram(
+            "ifb:spec_decode_acceptance_length",
+            "Draft tokens accepted per verified draft.",
+            buckets=_ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
         executor.finish_listeners.append(self.on_finish)
         executor.step_listeners.append(self.on_step)
 
@@ -88,6 +105,8 @@ class Metrics:
         """Runs on the executor thread once per step."""
         if step.predicted_ms:
             self.step_prediction_error.observe(1000 * (step.end - step.start) / step.predicted_ms - 1)
+        for draft in step.drafts:
+            self.acceptance_length.observe(draft.num_accepted)
 
     def on_finish(self, request: Request) -> None:
         """Runs on the executor thread once per request."""

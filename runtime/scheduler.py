@@ -30,6 +30,13 @@ class SchedulerConfig:
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
+    # Logits rows a step may ask for: the engine's baked max_batch_size (the step contract's
+    # num_logits bound), which a runtime max_batch_size below it leaves room in for drafts.
+    max_num_logits: int | None = None
+
+    @property
+    def logits_rows(self) -> int:
+        return self.max_num_logits or self.max_batch_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +174,7 @@ class Scheduler:
             shape=step_shape(chosen.values()),
             num_emitting_rows=emitting_rows(list(chosen.values())),
             tokens_left=self.config.max_num_tokens - sum(n for _, n in chosen.values()),
-            logits_rows_left=self.config.max_batch_size - emitting_rows(list(chosen.values())),
+            logits_rows_left=self.config.logits_rows - emitting_rows(list(chosen.values())),
             max_seq_len=self.config.max_seq_len,
         )
         planned = self.speculation.plan(room, self.step_budget)
@@ -273,8 +280,7 @@ class Scheduler:
             if not item.sample:
                 self.kv.publish(request)
                 continue
-            if item.draft_token_ids:
-                self._count_draft(request, item.draft_token_ids, tokens)
+            self._count_draft(request, item.draft_token_ids, tokens)
             produced.append(request)
             if request.times.first_token is None:
                 request.times.first_token = now
@@ -305,14 +311,17 @@ class Scheduler:
         return None
 
     def _count_draft(self, request: Request, draft: Sequence[int], tokens: Sequence[int]) -> None:
+        """Every sampled step tells the speculation how its draft fared (none is news too: old
+        evidence decays, so a request whose drafts failed is tried again later)."""
         accepted = 0
         while accepted < min(len(draft), len(tokens)) and draft[accepted] == tokens[accepted]:
             accepted += 1
         self.speculation.observe(request, len(draft), accepted)
-        self.stats.spec_num_drafts += 1
-        self.stats.spec_num_draft_tokens += len(draft)
-        self.stats.spec_num_accepted_tokens += accepted
-        self.stats.spec_num_emitted_tokens += len(tokens)
+        if draft:
+            self.stats.spec_num_drafts += 1
+            self.stats.spec_num_draft_tokens += len(draft)
+            self.stats.spec_num_accepted_tokens += accepted
+            self.stats.spec_num_emitted_tokens += len(tokens)
 
     def tokens_before_stop(self, request: Request, tokens: Sequence[int]) -> int:
         """How many of `tokens` the request would append before a token stop ends it (the

@@ -43,6 +43,8 @@ class TraceRecorder:
                 "kv_blocks_used": step.num_used_blocks,
                 "measured_ms": round(1000 * (step.end - step.start), 3),
                 "predicted_ms": None if step.predicted_ms is None else round(step.predicted_ms, 3),
+                # speculation: per request that verified a draft, [proposed, accepted]
+                "drafts": {d.request_id: [d.num_proposed, d.num_accepted] for d in step.drafts},
             },
         }
         with self._lock:

@@ -24,13 +24,18 @@ from ifb.runtime.step_budget.cost_model import StepShape
 
 logger = logging.getLogger(__name__)
 
-# A draft must raise the step's predicted tokens/ms by this much: the cost model's scatter is a
-# few percent (measured/predicted p50 within 5% on SmolLM2), and a draft that only breaks even
-# on paper loses when the prediction is low.
-MIN_RATE_GAIN = 0.05
-# Acceptance is tracked per request with this decay per verified step (a window of ~10 steps),
-# from a prior of one accepted and one rejected token: a new request starts at 0.5.
+# A draft's expected tokens per ms it adds must beat the step's own tokens per ms by this much:
+# the cost model's scatter is a few percent (measured/predicted p50 within 5% on SmolLM2), and a
+# draft that only breaks even on paper loses when the prediction is low.
+MIN_RATE_GAIN = 0.2
+# Acceptance is tracked per request with this decay per verified draft (a window of ~10 drafts),
+# from a prior of one accepted and one rejected token: a new request starts at 0.5. A step
+# without a draft only ages the evidence, more slowly, so a request whose drafts stopped paying
+# drifts back toward the prior and is tried again now and then (without it one bad draft could
+# leave a rate too low ever to draft again; with the fast decay, an always-wrong proposer was
+# retried every other step).
 ACCEPTANCE_DECAY = 0.9
+IDLE_DECAY = 0.97
 _PRIOR_ACCEPTED = 1.0
 _PRIOR_TRIED = 2.0
 
@@ -94,15 +99,21 @@ def _worth(
     emitted: float,
     target_ms: float | None,
 ) -> int:
-    """The draft length (<= limit) that most raises expected tokens per predicted ms, if it
-    raises them by MIN_RATE_GAIN and stays within the target; 0 if none does."""
+    """The draft length (<= limit) that most raises the step's expected tokens per predicted ms,
+    among those whose own tokens per added ms beat the step's by MIN_RATE_GAIN, within the
+    target; 0 if none. (The draft's own rate, not the step's: against a whole step of 16 rows
+    one draft can never move the total by a margin, however cheap it is.)"""
     base_rate = emitted / step_ms if step_ms > 0 else 0.0
-    best, best_rate = 0, base_rate * (1 + MIN_RATE_GAIN)
+    best, best_rate = 0, base_rate
     for k in range(1, limit + 1):
         predicted = budget.predict_ms(with_draft(shape, request, k))
         if predicted is None or predicted <= 0 or (target_ms is not None and predicted > target_ms):
             break
-        rate = (emitted + expected_extra_tokens(alpha, k)) / predicted
+        gain = expected_extra_tokens(alpha, k)
+        added_ms = predicted - step_ms
+        if added_ms > 0 and gain / added_ms < base_rate * (1 + MIN_RATE_GAIN):
+            continue
+        rate = (emitted + gain) / predicted
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -156,11 +167,13 @@ class SpeculationPlanner:
         return drafts
 
     def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
-        """A verified draft: the first `num_accepted` of `num_draft` tokens held. Tokens after a
-        rejection were never tried, so the per-token rate counts the rejection once."""
+        """A sampled step: the first `num_accepted` of its `num_draft` draft tokens held (0 of 0:
+        no draft, the evidence only ages). Tokens after a rejection were never tried, so the
+        per-token rate counts the rejection once."""
         tried = num_accepted + (1 if num_accepted < num_draft else 0)
-        request.draft_accepted = request.draft_accepted * ACCEPTANCE_DECAY + num_accepted
-        request.draft_tried = request.draft_tried * ACCEPTANCE_DECAY + tried
+        decay = ACCEPTANCE_DECAY if num_draft else IDLE_DECAY
+        request.draft_accepted = request.draft_accepted * decay + num_accepted
+        request.draft_tried = request.draft_tried * decay + tried
 
     def finished(self, request: Request) -> None:
         self.proposer.finished(request)
