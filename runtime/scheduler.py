@@ -79,8 +79,12 @@ class ScheduledBatch:
 
     @property
     def has_prefill_chunk(self) -> bool:
-        """Whether some request takes more than one token: the steps a step budget sizes."""
-        return any(r.num_new_tokens > 1 for r in self.requests)
+        """Whether some request takes more than one prompt token: the steps a step budget sizes."""
+        return any(r.num_prompt_chunk_tokens for r in self.requests)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(r.draft_token_ids for r in self.requests)
 
 
 class Scheduler:
@@ -334,9 +338,12 @@ class Scheduler:
         return len(tokens)
 
     def observe_step(self, batch: ScheduledBatch, measured_ms: float) -> None:
-        """The measured time of a step this scheduler predicted: the step budget learns from it."""
+        """The measured time of a step this scheduler predicted: the step budget and the
+        speculation planner learn from it."""
         if batch.predicted_ms is not None:
             self.step_budget.observe_step(batch.predicted_ms, measured_ms, batch.has_prefill_chunk)
+            if not batch.has_prefill_chunk:
+                self.speculation.observe_step(batch.predicted_ms, measured_ms, batch.has_drafts)
 
     def _token_stop(self, request: Request, token: int) -> FinishReason | None:
         return self._stops_at(request, token, request.num_output_tokens, request.num_tokens)

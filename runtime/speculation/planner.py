@@ -21,6 +21,7 @@ from typing import Protocol
 from ifb.runtime.request import Request
 from ifb.runtime.step_budget.budgets import StepBudget
 from ifb.runtime.step_budget.cost_model import StepShape
+from ifb.runtime.step_budget.time_correction import StepTimeCorrection
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ MIN_RATE_GAIN = 0.2
 # retried every other step).
 ACCEPTANCE_DECAY = 0.9
 IDLE_DECAY = 0.97
+IDLE_RATIO_DRIFT = 0.01
 _PRIOR_ACCEPTED = 1.0
 _PRIOR_TRIED = 2.0
 
@@ -98,22 +100,26 @@ def _worth(
     step_ms: float,
     emitted: float,
     target_ms: float | None,
+    ratios: tuple[float, float] = (1.0, 1.0),
 ) -> int:
-    """The draft length (<= limit) that most raises the step's expected tokens per predicted ms,
-    among those whose own tokens per added ms beat the step's by MIN_RATE_GAIN, within the
-    target; 0 if none. (The draft's own rate, not the step's: against a whole step of 16 rows
-    one draft can never move the total by a margin, however cheap it is.)"""
-    base_rate = emitted / step_ms if step_ms > 0 else 0.0
+    """The draft length (<= limit) that most raises the step's expected tokens per ms, among
+    those whose own tokens per added ms beat the step's by MIN_RATE_GAIN, within the target; 0 if
+    none. (The draft's own rate, not the step's: against a whole step of 16 rows one draft can
+    never move the total by a margin, however cheap it is.) `ratios` turn predictions into what
+    this step (as it stands) and a step with drafts measure here (SpeculationPlanner)."""
+    now_ratio, drafted_ratio = ratios
+    now_ms = step_ms * now_ratio
+    base_rate = emitted / now_ms if now_ms > 0 else 0.0
     best, best_rate = 0, base_rate
     for k in range(1, limit + 1):
         predicted = budget.predict_ms(with_draft(shape, request, k))
         if predicted is None or predicted <= 0 or (target_ms is not None and predicted > target_ms):
             break
         gain = expected_extra_tokens(alpha, k)
-        added_ms = predicted - step_ms
+        added_ms = predicted * drafted_ratio - now_ms
         if added_ms > 0 and gain / added_ms < base_rate * (1 + MIN_RATE_GAIN):
             continue
-        rate = (emitted + gain) / predicted
+        rate = (emitted + gain) / (now_ms + max(added_ms, 0.0))
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -128,6 +134,9 @@ class NoSpeculation:
     def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
         return None
 
+    def observe_step(self, predicted_ms: float, measured_ms: float, has_drafts: bool) -> None:
+        return None
+
     def finished(self, request: Request) -> None:
         return None
 
@@ -136,6 +145,22 @@ class SpeculationPlanner:
     def __init__(self, proposer: Proposer, max_draft: int) -> None:
         self.proposer = proposer
         self.max_draft = max_draft
+        # How far decode steps with drafts and without run over the cost model, learned while
+        # serving: a draft's rows also pay for sampling and verification, and a step with a chunk
+        # runs the context path, which the build-time fit (on long chunks) prices for long chunks.
+        # A draft is worth what the step measures with it minus what it measures without.
+        self.with_drafts = StepTimeCorrection()
+        self.without_drafts = StepTimeCorrection()
+
+    def observe_step(self, predicted_ms: float, measured_ms: float, has_drafts: bool) -> None:
+        """A decode step's predicted and measured time (steps with a prompt chunk are not seen).
+        Without drafts the drafted ratio drifts toward the plain one (~100 steps), so one slow
+        drafted step cannot stop drafting for good."""
+        if has_drafts:
+            self.with_drafts.observe(predicted_ms, measured_ms)
+            return
+        self.without_drafts.observe(predicted_ms, measured_ms)
+        self.with_drafts.ratio += IDLE_RATIO_DRIFT * (self.without_drafts.ratio - self.with_drafts.ratio)
 
     def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]:
         """request id -> the drafts it verifies this step (only requests that get some)."""
@@ -150,11 +175,14 @@ class SpeculationPlanner:
             if limit <= 0:
                 continue
             alpha = acceptance_rate(request)
-            if step_ms is not None and not _worth(budget, shape, request, alpha, limit, step_ms, emitted, target_ms):
+            ratios = (self.with_drafts.ratio if drafts else self.without_drafts.ratio, self.with_drafts.ratio)
+            if step_ms is not None and not _worth(
+                budget, shape, request, alpha, limit, step_ms, emitted, target_ms, ratios
+            ):
                 continue  # not even a full draft would pay: skip the lookup
             draft = self.proposer.propose(request, limit)[:limit]
             if step_ms is not None:
-                draft = draft[: _worth(budget, shape, request, alpha, len(draft), step_ms, emitted, target_ms)]
+                draft = draft[: _worth(budget, shape, request, alpha, len(draft), step_ms, emitted, target_ms, ratios)]
             if not draft:
                 continue
             drafts[request.request_id] = tuple(draft)
@@ -185,6 +213,8 @@ class Speculation(Protocol):
     def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]: ...
 
     def observe(self, request: Request, num_draft: int, num_accepted: int) -> None: ...
+
+    def observe_step(self, predicted_ms: float, measured_ms: float, has_drafts: bool) -> None: ...
 
     def finished(self, request: Request) -> None: ...
 

@@ -647,3 +647,20 @@ def test_tokens_before_stop_counts_up_to_and_including_the_stopping_token() -> N
     near_seq_len = decoding(list(range(100, 128)), num_output=3)  # 28 of 30
     assert scheduler.tokens_before_stop(near_seq_len, [1, 1, 1, 1]) == 2
     assert near_seq_len.num_tokens == 28 and stop_ids.num_tokens == 10  # nothing appended
+
+
+def test_drafted_steps_measured_slower_than_predicted_shrink_drafts_and_the_drift_undoes_it() -> None:
+    """The planner learns how drafted decode steps run against the cost model: when they measure
+    well over their prediction (plain ones on it), a request with a middling rate stops drafting;
+    plain steps afterwards bring the drafted ratio back, so drafting resumes."""
+    request = decoding([5, 6, 7, 8, 9, 10, 11, 5, 6, 7], rate=(1.0, 3.0))
+    budget = FixedBudget(MIDDLE)
+    planner = SpeculationPlanner(PromptLookupProposer(1, 3), 4)
+    assert planner.plan(room([request]), budget)
+    for _ in range(20):
+        planner.observe_step(11.0, 11.0, has_drafts=False)
+        planner.observe_step(12.0, 22.0, has_drafts=True)  # drafted steps take nearly twice the model
+    assert planner.plan(room([request]), budget) == {}
+    for _ in range(400):
+        planner.observe_step(11.0, 11.0, has_drafts=False)
+    assert planner.plan(room([request]), budget)
