@@ -180,6 +180,7 @@ class Scheduler:
             tokens_left=self.config.max_num_tokens - sum(n for _, n in chosen.values()),
             logits_rows_left=self.config.logits_rows - emitting_rows(list(chosen.values())),
             max_seq_len=self.config.max_seq_len,
+            has_prompt_chunk=any(n > 1 for _, n in chosen.values()),
         )
         planned = self.speculation.plan(room, self.step_budget)
         return {

@@ -25,10 +25,13 @@ from ifb.runtime.step_budget.time_correction import StepTimeCorrection
 
 logger = logging.getLogger(__name__)
 
-# A draft's expected tokens per ms it adds must beat the step's own tokens per ms by this much:
-# the cost model's scatter is a few percent (measured/predicted p50 within 5% on SmolLM2), and a
-# draft that only breaks even on paper loses when the prediction is low.
-MIN_RATE_GAIN = 0.2
+# A draft's expected tokens per ms it adds must beat the step's own tokens per ms by this much.
+# At 20% drafts at 16 streams were accepted at 0.79 and still cost 14% more time per step for
+# 7.7% more tokens (bench/speculative.py, AVX-512 EPYC, SmolLM2 int8): their learned cost ratio
+# sits near break-even there, and the scatter of a loaded machine's steps is wider than the gain.
+# A lone stream's drafts earn several times the step's rate (edit: 0.74 acceptance) and open
+# chat's about 1.7x (0.35 acceptance, measured 1.01-1.12x over no drafts), so 50% keeps both.
+MIN_RATE_GAIN = 0.5
 # Acceptance is tracked per request with this decay per verified draft (a window of ~10 drafts),
 # from a prior of one accepted and one rejected token: a new request starts at 0.5. A step
 # without a draft only ages the evidence, more slowly, so a request whose drafts stopped paying
@@ -62,6 +65,7 @@ class DraftRoom:
     tokens_left: int  # of max_num_tokens
     logits_rows_left: int  # of the step contract's max_batch_size logits rows
     max_seq_len: int
+    has_prompt_chunk: bool = False  # some request prefills more than one prompt token this step
 
 
 def acceptance_rate(request: Request) -> float:
@@ -163,7 +167,14 @@ class SpeculationPlanner:
         self.with_drafts.ratio += IDLE_RATIO_DRIFT * (self.without_drafts.ratio - self.with_drafts.ratio)
 
     def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]:
-        """request id -> the drafts it verifies this step (only requests that get some)."""
+        """request id -> the drafts it verifies this step (only requests that get some).
+
+        None in a step that prefills a prompt chunk: the step budget sized that chunk to fill the
+        inter-token target, so a draft there lengthens the longest gaps, and such steps run over
+        the cost model by their own ratio (bench/speculative.py, 16 streams: drafts in chunked
+        steps cost 14% more time per step for 7.7% more tokens, ITL p99 1.28x)."""
+        if room.has_prompt_chunk:
+            return {}
         tokens_left, rows_left = room.tokens_left, room.logits_rows_left
         shape = room.shape
         step_ms = budget.predict_ms(shape)

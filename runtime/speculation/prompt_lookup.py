@@ -51,12 +51,18 @@ class Match:
 
 def longest_match(haystack: bytes, tail: Sequence[int], min_n: int, max_n: int, limit: int) -> Match | None:
     """The continuation of the longest (n from max_n down to min_n) and then most recent match of
-    `tail`'s last n tokens in `haystack`."""
-    for n in range(min(max_n, len(tail)), min_n - 1, -1):
+    `tail`'s last n tokens in `haystack`. The shortest is looked up first: without it no longer
+    one exists, so a miss (most lookups in open chat) costs one scan, not one per length."""
+    if len(tail) < min_n:
+        return None
+    shortest = continuation_after(haystack, pack(tail[-min_n:]), limit)
+    if not shortest:
+        return None
+    for n in range(min(max_n, len(tail)), min_n, -1):
         found = continuation_after(haystack, pack(tail[-n:]), limit)
         if found:
             return Match(unpack(found), n)
-    return None
+    return Match(unpack(shortest), min_n)
 
 
 class PromptLookupProposer:
