@@ -169,7 +169,7 @@ class SpeculationPlanner:
     def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]:
         """request id -> the drafts it verifies this step (only requests that get some).
 
-        None in a step that prefills a prompt chunk: the step budget sized that chunk to fill the
+        Nothing in a step that prefills a prompt chunk: the step budget sized that chunk to fill the
         inter-token target, so a draft there lengthens the longest gaps, and such steps run over
         the cost model by their own ratio (bench/speculative.py, 16 streams: drafts in chunked
         steps cost 14% more time per step for 7.7% more tokens, ITL p99 1.28x)."""
