@@ -19,7 +19,7 @@ from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.policies import CapacityPolicy, ChunkingPolicy, aligned_chunk
 from ifb.runtime.request import FinishReason, Request, RequestState, Stop
 from ifb.runtime.scheduler_stats import SchedulerStats
-from ifb.runtime.speculation.planner import DraftRoom, NoSpeculation, Speculation, emitting_rows
+from ifb.runtime.speculation.planner import DraftRoom, NoSpeculation, Speculation, emitting_rows, matching_prefix
 from ifb.runtime.step_budget.budgets import StepBudget, deepest_start, step_shape
 
 logger = logging.getLogger(__name__)
@@ -173,12 +173,13 @@ class Scheduler:
         decodes = tuple(r for r, n in chosen.values() if n == 1 and r.is_decoding)
         if not decodes:
             return {}
+        emitting = emitting_rows(list(chosen.values()))
         room = DraftRoom(
             decodes=decodes,
             shape=step_shape(chosen.values()),
-            num_emitting_rows=emitting_rows(list(chosen.values())),
+            num_emitting_rows=emitting,
             tokens_left=self.config.max_num_tokens - sum(n for _, n in chosen.values()),
-            logits_rows_left=self.config.logits_rows - emitting_rows(list(chosen.values())),
+            logits_rows_left=self.config.logits_rows - emitting,
             max_seq_len=self.config.max_seq_len,
             has_prompt_chunk=any(n > 1 for _, n in chosen.values()),
         )
@@ -318,9 +319,7 @@ class Scheduler:
     def _count_draft(self, request: Request, draft: Sequence[int], tokens: Sequence[int]) -> None:
         """Every sampled step tells the speculation how its draft fared (none is news too: old
         evidence decays, so a request whose drafts failed is tried again later)."""
-        accepted = 0
-        while accepted < min(len(draft), len(tokens)) and draft[accepted] == tokens[accepted]:
-            accepted += 1
+        accepted = matching_prefix(draft, tokens)
         self.speculation.observe(request, len(draft), accepted)
         if draft:
             self.stats.spec_num_drafts += 1

@@ -49,14 +49,9 @@ class SpeculativeConfig:
         return self.method is not SpeculativeMethod.OFF
 
 
-# vLLM's keys -> ours; "method" takes vLLM's names too ("ngram", "suffix").
-_VLLM_KEYS = {
-    "method": "method",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "prompt_lookup_max": "prompt_lookup_max",
-    "prompt_lookup_min": "prompt_lookup_min",
-    "suffix_cache_tokens": "suffix_cache_tokens",
-}
+# The keys of vLLM's --speculative-config we take (its names are ours); "method" takes vLLM's
+# method names too ("ngram", "suffix").
+_VLLM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "suffix_cache_tokens")
 
 
 def parse_speculative_config(text: str, base: SpeculativeConfig) -> SpeculativeConfig:
@@ -79,7 +74,7 @@ def parse_speculative_config(text: str, base: SpeculativeConfig) -> SpeculativeC
             f"speculative_config: method {method!r} is not supported here; "
             f"choose one of {', '.join(m.value for m in SpeculativeMethod)}"
         )
-    values = {_VLLM_KEYS[key]: value for key, value in record.items() if key != "method"}
+    values = {key: value for key, value in record.items() if key != "method"}
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool):
             raise LimitExceededError(f"speculative_config: {key} must be an integer, got {value!r}")

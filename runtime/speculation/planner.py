@@ -90,6 +90,14 @@ def with_draft(shape: StepShape, request: Request, num_draft: int) -> StepShape:
     )
 
 
+def matching_prefix(draft: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading draft tokens equal `tokens` (the target model's own, position by position)."""
+    held = 0
+    while held < min(len(draft), len(tokens)) and draft[held] == tokens[held]:
+        held += 1
+    return held
+
+
 def expected_extra_tokens(alpha: float, num_draft: int) -> float:
     """alpha + alpha^2 + ... + alpha^k: the j-th draft counts only if every one before it held."""
     return sum(alpha**j for j in range(1, num_draft + 1))

@@ -27,15 +27,13 @@ from ifb.runtime.live_request import LiveRequest
 from ifb.runtime.outputs import TokenLogprob
 from ifb.runtime.sampler import RowSample
 from ifb.runtime.scheduler import ScheduledBatch, ScheduledRequest
+from ifb.runtime.speculation.planner import matching_prefix
 
 
 def kept_tokens(draft: Sequence[int], sampled: Sequence[int]) -> list[int]:
     """`sampled` has one token per position (len(draft) + 1): the matching prefix of the draft,
     then the first sampled token that differs (or the one after the whole draft)."""
-    kept = 0
-    while kept < len(draft) and draft[kept] == sampled[kept]:
-        kept += 1
-    return list(sampled[: kept + 1])
+    return list(sampled[: matching_prefix(draft, sampled) + 1])
 
 
 class GeneratorRewind:
