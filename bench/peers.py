@@ -36,7 +36,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -516,16 +516,22 @@ ROWS = [  # label, section, key, scale, higher_is_better
 
 
 def table(results: dict[str, dict[str, Any]], clients: int) -> tuple[str, dict[str, float]]:
-    lines = ["| metric | llama-server | ifb | ifb/llama |", "| --- | ---: | ---: | ---: |"]
+    """One row per metric: llama-server, then each ifb server (`ifb`, `ifb[LABEL]`) with its ratio."""
+    ifbs = [key for key in results if key != "llama"]
+    head = " | ".join(f"{key} | {key}/llama" for key in ifbs)
+    lines = [f"| metric | llama-server | {head} |", "| --- | ---: |" + " ---: | ---: |" * len(ifbs)]
     ratios = {}
     for label, section, key, scale, higher in ROWS:
         llama = results["llama"][section][key] * scale
-        ifb = results["ifb"][section][key] * scale
-        ratio = ifb / llama if llama else float("nan")
-        ratios[f"{section}.{key}"] = ratio
+        cells = []
+        for name in ifbs:
+            ifb = results[name][section][key] * scale
+            ratio = ifb / llama if llama else float("nan")
+            ratios[f"{section}.{key}" if name == "ifb" else f"{name}.{section}.{key}"] = ratio
+            cells.append(f"{ifb:.1f} | {ratio:.2f}x")
         better = "higher is better" if higher else "lower is better"
         label = label.replace("N clients", f"{clients} clients")
-        lines.append(f"| {label} ({better}) | {llama:.1f} | {ifb:.1f} | {ratio:.2f}x |")
+        lines.append(f"| {label} ({better}) | {llama:.1f} | {' | '.join(cells)} |")
     return "\n".join(lines), ratios
 
 
@@ -549,6 +555,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t and ifb run --threads")
     parser.add_argument("--ctx-margin", type=int, default=128, help="extra tokens per llama-server slot")
     parser.add_argument("--order", default="llama,ifb", help="which server runs first")
+    parser.add_argument(
+        "--ifb-variant",
+        action="append",
+        default=[],
+        metavar="LABEL=ARGS",
+        help="also serve ifb with these extra `ifb run` arguments, measured as its own column in the same run "
+        "(repeatable; e.g. off='--itl-target-ms 0'); listed after ifb in --order",
+    )
     parser.add_argument("--skip-build", action="store_true", help="use the cached llama-server, never build")
     parser.add_argument("--rebuild", action="store_true", help="rebuild llama-server even if cached")
     parser.add_argument("--build-only", action="store_true", help="build (or find) llama-server and exit")
@@ -609,8 +623,20 @@ def main() -> None:
         "prompt",
     )
 
+    order = args.order.split(",")
+    variants = []
+    for variant in args.ifb_variant:
+        label, _, extra = variant.partition("=")
+        key = f"ifb[{label}]"
+        servers[key] = replace(
+            servers["ifb"], name=key, cmd=[*servers["ifb"].cmd, *shlex.split(extra)], log=OUT / f"peers-ifb-{label}.log"
+        )
+        variants.append(key)
+    after_ifb = order.index("ifb") + 1
+    order[after_ifb:after_ifb] = variants
+
     results: dict[str, dict[str, Any]] = {}
-    for key in args.order.split(","):
+    for key in order:
         results[key] = measure(servers[key], args, prompts, args.start_timeout)
 
     text, ratios = table(results, args.clients)
@@ -619,7 +645,7 @@ def main() -> None:
         for a, b in zip(results["llama"]["single_texts"], results["ifb"]["single_texts"], strict=True)
     ]
     lengths = [len(t) for t in results["ifb"]["single_texts"]]
-    notes = [f"{k}: {n}" for k in ("llama", "ifb") for n in results[k]["notes"]]
+    notes = [f"{k}: {n}" for k in results for n in results[k]["notes"]]
 
     print()
     print(

@@ -26,6 +26,7 @@ MODE_OPTIONS: dict[str, dict[str, Any]] = {
     "max_utilization": {"policy": "max_utilization"},
     "ngram": {"speculative": "ngram"},  # guaranteed_no_evict with prompt-lookup speculation
     "suffix": {"speculative": "suffix"},
+    "ttft_off": {"ttft_target_ms": 0},  # guaranteed_no_evict whose steps ignore first-token deadlines
 }
 
 Progress = Callable[[int], None]

@@ -78,7 +78,14 @@ class LLM(FrontendClient):
 
     def _step_budget(self, cost_model: StepCostModel | None) -> StepBudget:
         limits = self.engine_config.limits
-        return make_step_budget(self.config.itl_target_ms, cost_model, self.config.max_batch_size, limits.block_size)
+        return make_step_budget(
+            self.config.itl_target_ms,
+            cost_model,
+            self.config.max_batch_size,
+            limits.block_size,
+            self.config.ttft_target_ms,
+            self.config.max_num_tokens,
+        )
 
     def _load_engine(self) -> Engine:
         """On the executor thread, before its loop starts. --calibrate measures this engine (the

@@ -86,6 +86,14 @@ class RuntimeSettings:
         "--max-num-tokens.",
         minimum=0,
     )
+    ttft_target_ms: float | None = option(
+        None,
+        "Time-to-first-token target: when prompts waiting for their first token near it, a step's prefill "
+        "chunk grows past the inter-token target (up to 1.2x it) as far as their deadlines need, so requests "
+        "meet both targets. Default: derived from the cost model (the time to prefill a full batch of "
+        "256-token prompts alone, at least 1 s; /health shows it). 0 = off. Needs an inter-token target.",
+        minimum=0,
+    )
     calibrate: bool = option(
         False,
         "Re-measure the step cost model on this machine at start (a few seconds) instead of using the one "
@@ -201,6 +209,7 @@ class RuntimeConfig:
     default_max_tokens: int
     num_kv_blocks: int  # blocks the scheduler may use, <= the engine's pool
     itl_target_ms: float | None  # as RuntimeSettings: None = default, 0 = off
+    ttft_target_ms: float | None  # as RuntimeSettings: None = default, 0 = off
     calibrate: bool
     speculation: SpeculativeConfig
 

@@ -21,6 +21,7 @@ from ifb.runtime.request import FinishReason, Request, RequestState, Stop
 from ifb.runtime.scheduler_stats import SchedulerStats
 from ifb.runtime.speculation.planner import DraftRoom, NoSpeculation, Speculation, emitting_rows, matching_prefix
 from ifb.runtime.step_budget.budgets import StepBudget, deepest_start, step_shape
+from ifb.runtime.step_budget.first_token import PendingPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,8 @@ class Scheduler:
                 budget -= 1
         prefilling = [r for r in self.running if r.num_tokens_to_compute > 1]
         decodes = step_shape(chosen.values())
-        prefill_budget = self.step_budget.prefill_token_budget(budget, decodes, deepest_start(prefilling))
+        pending = self._pending_prompts(prefilling)
+        prefill_budget = self.step_budget.prefill_token_budget(budget, decodes, deepest_start(prefilling), pending)
         if self.capacity.may_admit_now(num_running_at_start):
             admission_budget = self.capacity.admission_token_budget(
                 self.chunking.admission_budget(prefilling, prefill_budget, self.kv.block_size)
@@ -148,7 +150,8 @@ class Scheduler:
             self.stats.stalls_batch_full += 1
         # A prefix hit can start an admitted prompt deeper than any running one: bound again.
         prefill_budget = min(
-            prefill_budget, self.step_budget.prefill_token_budget(budget, decodes, deepest_start(prefilling))
+            prefill_budget,
+            self.step_budget.prefill_token_budget(budget, decodes, deepest_start(prefilling), pending),
         )
         for request, size in self.chunking.split(prefilling, prefill_budget, self.kv.block_size):
             if request.state is RequestState.RUNNING and self._reserve(request, size, chosen):
@@ -166,6 +169,23 @@ class Scheduler:
         return ScheduledBatch(
             batch, self.step_budget.predict_ms(step_shape((i.request, i.num_new_tokens) for i in batch))
         )
+
+    def _pending_prompts(self, prefilling: Sequence[Request]) -> list[PendingPrompt]:
+        """The prompts this step's prefill could serve, in the order it serves them: those
+        running, then those waiting that free seats would admit. A preempted request recomputing
+        its context has had its first token: it counts as backlog ahead, with no deadline."""
+        seats = self.config.max_batch_size - len(self.running)
+        queue = [*prefilling, *(self.waiting[i] for i in range(min(seats, len(self.waiting))))]
+        if not queue:
+            return []
+        now = self._clock()
+        return [
+            PendingPrompt(
+                None if r.times.first_token is not None else 1000.0 * (now - r.times.arrival),
+                r.num_tokens - r.num_computed_tokens,
+            )
+            for r in queue
+        ]
 
     def _drafts(self, chosen: dict[str, tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
         """The speculative drafts this step verifies, by request id, each with its KV slots

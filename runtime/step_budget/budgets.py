@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.request import Request
 from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
+from ifb.runtime.step_budget.first_token import FirstTokenDeadlines, PendingPrompt, default_ttft_target_ms
 from ifb.runtime.step_budget.time_correction import StepTimeCorrection
 
 logger = logging.getLogger(__name__)
@@ -41,27 +42,33 @@ DEFAULT_TARGET_CONTEXT = 256  # a typical chat turn's context (for the absolute 
 class StepBudgetReport:
     """What a budget is doing, for /health: the active inter-token target (an absolute one, or a
     multiple of each step's decode time; neither = off, the fixed max_num_tokens budget), the
-    cost model steps are predicted with, and the learned measured/predicted ratio."""
+    time-to-first-token target that may grow a step's prefill (None = off), the cost model steps
+    are predicted with, and the learned measured/predicted ratio."""
 
     itl_target_ms: float | None = None
     itl_target_decode_multiple: float | None = None
     cost_model: StepCostModel | None = None
     measured_over_predicted: float | None = None
+    ttft_target_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         ratio = self.measured_over_predicted
         return {
             "itl_target_ms": self.itl_target_ms,
             "itl_target_decode_multiple": self.itl_target_decode_multiple,
+            "ttft_target_ms": self.ttft_target_ms,
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             "measured_over_predicted": None if ratio is None else round(ratio, 3),
         }
 
 
 class StepBudget(Protocol):
-    def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
+    def prefill_token_budget(
+        self, token_budget: int, decode: StepShape, prefill_start: int, pending: Sequence[PendingPrompt] = ()
+    ) -> int:
         """Of `token_budget` tokens left after the decodes in `decode`, how many prefill may use;
-        `prefill_start` is the deepest cached context any prefill chunk of this step starts at."""
+        `prefill_start` is the deepest cached context any prefill chunk of this step starts at;
+        `pending`: the prompts before their first token this step could serve, in order."""
         ...
 
     def predict_ms(self, shape: StepShape) -> float | None: ...
@@ -84,7 +91,9 @@ class FixedBudget:
     def __init__(self, cost_model: StepCostModel | None = None) -> None:
         self.cost_model = cost_model
 
-    def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
+    def prefill_token_budget(
+        self, token_budget: int, decode: StepShape, prefill_start: int, pending: Sequence[PendingPrompt] = ()
+    ) -> int:
         return token_budget
 
     def predict_ms(self, shape: StepShape) -> float | None:
@@ -101,12 +110,20 @@ class FixedBudget:
 
 
 class _CorrectedTarget:
-    """What the two target budgets share: the cost model and its online correction."""
+    """What the two target budgets share: the cost model, its online correction, and the
+    first-token deadlines that may grow a chunk past the inter-token target (None = off)."""
 
-    def __init__(self, cost_model: StepCostModel, min_chunk_tokens: int) -> None:
+    def __init__(
+        self, cost_model: StepCostModel, min_chunk_tokens: int, deadlines: FirstTokenDeadlines | None = None
+    ) -> None:
         self.cost_model = cost_model
         self.min_chunk_tokens = min_chunk_tokens
         self.correction = StepTimeCorrection()
+        self.deadlines = deadlines
+
+    @property
+    def ttft_target_ms(self) -> float | None:
+        return None if self.deadlines is None else self.deadlines.target_ms
 
     def predict_ms(self, shape: StepShape) -> float | None:
         return self.cost_model.predict_ms(shape)
@@ -115,24 +132,43 @@ class _CorrectedTarget:
         if has_prefill:
             self.correction.observe(predicted_ms, measured_ms)
 
-    def _fitting_chunk(self, token_budget: int, target_ms: float, decode: StepShape, prefill_start: int) -> int:
-        """The largest chunk whose corrected prediction stays within `target_ms`, >= min_chunk."""
-        fits = self.cost_model.max_prefill_tokens(target_ms / self.correction.ratio, decode, prefill_start)
-        return min(token_budget, max(self.min_chunk_tokens, fits))
+    def _fitting_chunk(
+        self,
+        token_budget: int,
+        target_ms: float,
+        decode: StepShape,
+        prefill_start: int,
+        pending: Sequence[PendingPrompt],
+    ) -> int:
+        """The largest chunk whose corrected prediction stays within `target_ms`, >= min_chunk,
+        or the larger one the first-token deadlines of `pending` need (first_token.py)."""
+        ratio = self.correction.ratio
+        fits = max(self.min_chunk_tokens, self.cost_model.max_prefill_tokens(target_ms / ratio, decode, prefill_start))
+        if self.deadlines is not None and pending and fits < token_budget:
+            fits = self.deadlines.chunk(self.cost_model, ratio, decode, prefill_start, pending, fits, target_ms)
+        return min(token_budget, fits)
 
 
 class LatencyTargetBudget(_CorrectedTarget):
     """The largest prefill chunk that keeps the corrected predicted step within the target, >= min_chunk."""
 
-    def __init__(self, cost_model: StepCostModel, itl_target_ms: float, min_chunk_tokens: int) -> None:
-        super().__init__(cost_model, min_chunk_tokens)
+    def __init__(
+        self,
+        cost_model: StepCostModel,
+        itl_target_ms: float,
+        min_chunk_tokens: int,
+        deadlines: FirstTokenDeadlines | None = None,
+    ) -> None:
+        super().__init__(cost_model, min_chunk_tokens, deadlines)
         self._target_ms = itl_target_ms
 
     def report(self) -> StepBudgetReport:
-        return StepBudgetReport(self._target_ms, None, self.cost_model, self.correction.ratio)
+        return StepBudgetReport(self._target_ms, None, self.cost_model, self.correction.ratio, self.ttft_target_ms)
 
-    def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
-        return self._fitting_chunk(token_budget, self._target_ms, decode, prefill_start)
+    def prefill_token_budget(
+        self, token_budget: int, decode: StepShape, prefill_start: int, pending: Sequence[PendingPrompt] = ()
+    ) -> int:
+        return self._fitting_chunk(token_budget, self._target_ms, decode, prefill_start, pending)
 
     def step_target_ms(self, shape: StepShape) -> float | None:
         return self._target_ms / self.correction.ratio
@@ -144,23 +180,30 @@ class RelativeTargetBudget(_CorrectedTarget):
     no decodes streams to nobody and takes it all."""
 
     def __init__(
-        self, cost_model: StepCostModel, multiple: float, min_chunk_tokens: int, floor_ms: float = 0.0
+        self,
+        cost_model: StepCostModel,
+        multiple: float,
+        min_chunk_tokens: int,
+        floor_ms: float = 0.0,
+        deadlines: FirstTokenDeadlines | None = None,
     ) -> None:
-        super().__init__(cost_model, min_chunk_tokens)
+        super().__init__(cost_model, min_chunk_tokens, deadlines)
         self._multiple = multiple
         self._floor_ms = floor_ms
 
     def report(self) -> StepBudgetReport:  # the target moves with the batch: a multiple, no ms
-        return StepBudgetReport(None, self._multiple, self.cost_model, self.correction.ratio)
+        return StepBudgetReport(None, self._multiple, self.cost_model, self.correction.ratio, self.ttft_target_ms)
 
-    def prefill_token_budget(self, token_budget: int, decode: StepShape, prefill_start: int) -> int:
+    def prefill_token_budget(
+        self, token_budget: int, decode: StepShape, prefill_start: int, pending: Sequence[PendingPrompt] = ()
+    ) -> int:
         if decode.num_decode_rows == 0:
             return token_budget
         # The multiple applies to the uncorrected decode time: the correction is learned on chunked
         # steps, and scaling the target by it too would cancel it out. Where decode-only steps run
         # over their prediction as well, this errs toward smaller chunks (lower gaps).
         target = max(self._floor_ms, self._multiple * self.cost_model.predict_ms(decode))
-        return self._fitting_chunk(token_budget, target, decode, prefill_start)
+        return self._fitting_chunk(token_budget, target, decode, prefill_start, pending)
 
     def step_target_ms(self, shape: StepShape) -> float | None:
         decode = StepShape(
@@ -199,11 +242,18 @@ def default_itl_target_ms(cost_model: StepCostModel, max_batch_size: int) -> flo
 
 
 def make_step_budget(
-    itl_target_ms: float | None, cost_model: StepCostModel | None, max_batch_size: int, block_size: int
+    itl_target_ms: float | None,
+    cost_model: StepCostModel | None,
+    max_batch_size: int,
+    block_size: int,
+    ttft_target_ms: float | None = 0,
+    max_num_tokens: int | None = None,
 ) -> StepBudget:
     """`itl_target_ms`: None = the default, a target of DEFAULT_TARGET_DECODE_MULTIPLE x each
     step's decode time (fixed if the engine has no cost model), 0 = off (fixed), > 0 = that
-    absolute target, which needs a cost model."""
+    absolute target, which needs a cost model. `ttft_target_ms` (with an inter-token target):
+    None = derived from the cost model (first_token.py, for `max_num_tokens` per step), 0 = off,
+    > 0 = that target; a fixed budget already gives prefill all it can."""
     if itl_target_ms == 0 or (itl_target_ms is None and cost_model is None):
         if cost_model is None:
             logger.info("no step cost model (engine built before calibration): no inter-token latency target")
@@ -214,6 +264,7 @@ def make_step_budget(
             "(built before calibration existed); calibrate at start (`ifb run --calibrate`, LLM(..., "
             "calibrate=True)) or rebuild the engine"
         )
+    deadlines = _first_token_deadlines(ttft_target_ms, cost_model, max_batch_size, max_num_tokens)
     if itl_target_ms is None:
         logger.info(
             "inter-token latency target: %.1fx each step's decode time, at least %.0f ms (%.1f ms for a full batch)",
@@ -221,6 +272,23 @@ def make_step_budget(
             DEFAULT_TARGET_FLOOR_MS,
             default_itl_target_ms(cost_model, max_batch_size),
         )
-        return RelativeTargetBudget(cost_model, DEFAULT_TARGET_DECODE_MULTIPLE, block_size, DEFAULT_TARGET_FLOOR_MS)
+        return RelativeTargetBudget(
+            cost_model, DEFAULT_TARGET_DECODE_MULTIPLE, block_size, DEFAULT_TARGET_FLOOR_MS, deadlines
+        )
     logger.info("inter-token latency target %.1f ms", itl_target_ms)
-    return LatencyTargetBudget(cost_model, itl_target_ms, block_size)
+    return LatencyTargetBudget(cost_model, itl_target_ms, block_size, deadlines)
+
+
+def _first_token_deadlines(
+    ttft_target_ms: float | None, cost_model: StepCostModel, max_batch_size: int, max_num_tokens: int | None
+) -> FirstTokenDeadlines | None:
+    if ttft_target_ms == 0:
+        return None
+    if ttft_target_ms is None:
+        if max_num_tokens is None:
+            raise ValueError("a default ttft target needs max_num_tokens")
+        ttft_target_ms = default_ttft_target_ms(cost_model, max_batch_size, max_num_tokens)
+        logger.info("time-to-first-token target %.0f ms (derived from the cost model)", ttft_target_ms)
+    else:
+        logger.info("time-to-first-token target %.0f ms", ttft_target_ms)
+    return FirstTokenDeadlines(ttft_target_ms)

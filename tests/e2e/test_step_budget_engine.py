@@ -13,6 +13,7 @@ from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.executor import StepRecord
 from ifb.runtime.step_budget.budgets import FixedBudget, LatencyTargetBudget, RelativeTargetBudget
 from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
+from ifb.runtime.step_budget.first_token import default_ttft_target_ms
 from ifb.runtime.trace import TraceRecorder
 
 BLOCK = 16  # TINY_LIMITS
@@ -67,8 +68,8 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
         off = [o.token_ids for o in llm.generate(batch, GREEDY)]
     assert max(s.num_tokens for s in off_steps) > BLOCK + 8
 
-    for target in (cost_model.base_ms / 2, None):
-        with LLM(tiny_llama_engine, itl_target_ms=target) as llm:
+    for target, ttft in ((cost_model.base_ms / 2, None), (None, 2500.0)):
+        with LLM(tiny_llama_engine, itl_target_ms=target, ttft_target_ms=ttft) as llm:
             budget = llm.executor.scheduler.step_budget
             assert isinstance(budget, LatencyTargetBudget if target else RelativeTargetBudget)
             steps: list[StepRecord] = []
@@ -85,6 +86,8 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
             "itl_target_decode_multiple": budget.report().itl_target_decode_multiple,
             "cost_model": cost_model.to_json(),
             "measured_over_predicted": round(budget.correction.ratio, 3),
+            # the default is derived from the cost model (at least 1 s); LLM(ttft_target_ms=...) sets it
+            "ttft_target_ms": 2500.0 if ttft else default_ttft_target_ms(cost_model, 8, 64),
         }
         # the chunked steps were observed: the ratio moved off its 1.0 prior, within its clamp
         assert budget.correction.num_observed > 0 and 0.5 <= budget.correction.ratio <= 2.0
