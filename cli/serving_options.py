@@ -30,6 +30,7 @@ SERVING_OPTION_GROUPS = {
         "prompt_lookup_max",
         "prompt_lookup_min",
         "suffix_cache_tokens",
+        "draft_engine",
         "speculative_config",
     ),
     "Server": ("host", "port", "served_model_names", "api_key", "api_key_file", "allowed_origins", "reasoning_parser"),

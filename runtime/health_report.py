@@ -38,6 +38,7 @@ def speculative_block(snapshot: EngineSnapshot, config: RuntimeConfig) -> dict[s
     return {
         "method": spec.method.value,
         "num_speculative_tokens": spec.num_speculative_tokens if spec.enabled else None,
+        "draft_engine": spec.draft_engine,
         "num_drafts": c.spec_num_drafts,
         "num_draft_tokens": c.spec_num_draft_tokens,
         "num_accepted_tokens": c.spec_num_accepted_tokens,

@@ -91,6 +91,7 @@ class LLM(FrontendClient):
         """On the executor thread, before its loop starts. --calibrate measures this engine (the
         KV it writes is garbage over blocks no request owns yet) instead of loading a second one."""
         engine = Engine(self.engine_config, self.settings.step_mode)
+        self.executor.scheduler.speculation.prepare(self.engine_config)  # a draft engine loads here
         if self.config.calibrate:
             from ifb.runtime.step_budget.calibration import calibrate
 

@@ -102,7 +102,8 @@ class RuntimeSettings:
     speculative: SpeculativeMethod = option(
         SpeculativeMethod.OFF,
         "Speculative decoding: ngram drafts a decoding request's next tokens from its own prompt and output "
-        "(prompt lookup), suffix also from recent requests with the same cache_salt. Drafts are verified in "
+        "(prompt lookup), suffix also from recent requests with the same cache_salt, draft from a second "
+        "compiled engine with the same tokenizer (--draft-engine). Drafts are verified in "
         "the same step as every other request, as many as the step budget's cost model says pay off: a "
         "lone stream speculates, a full batch stops by itself. Output is what decoding without it gives.",
     )
@@ -115,6 +116,11 @@ class RuntimeSettings:
         DEFAULT_SUFFIX_CACHE_TOKENS,
         "Tokens of recent requests the suffix method keeps (4 bytes each), over all cache_salts.",
         minimum=1,
+    )
+    draft_engine: str | None = option(
+        None,
+        "The draft method's engine folder (ifb build of a smaller model with the same tokenizer); its KV pool "
+        "and limits are its own.",
     )
     speculative_config: str | None = option(
         None,
@@ -130,6 +136,7 @@ class RuntimeSettings:
             self.prompt_lookup_max,
             self.prompt_lookup_min,
             self.suffix_cache_tokens,
+            self.draft_engine,
         )
         return base if self.speculative_config is None else parse_speculative_config(self.speculative_config, base)
 

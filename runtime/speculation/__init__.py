@@ -9,6 +9,7 @@ longest prefix the target model would have produced itself and one token more.
     config.py          SpeculativeMethod, SpeculativeConfig (and vLLM's --speculative-config)
     prompt_lookup.py   the n-gram match over one token sequence (PromptLookupProposer)
     suffix_cache.py    the same over a bounded cache of recent requests, per cache_salt
+    draft_model.py     greedy drafts from a second compiled engine with the same tokenizer
     planner.py         how many draft tokens each request gets this step (SpeculationPlanner)
     verification.py    which drafted tokens are kept, and the seeded generator rewound to match
     factory.py         the one place the method is branched on

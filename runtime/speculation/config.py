@@ -24,6 +24,7 @@ class SpeculativeMethod(str, Enum):
     OFF = "off"
     NGRAM = "ngram"  # prompt lookup in the request's own prompt and output
     SUFFIX = "suffix"  # the same, then recent requests' text (same cache_salt)
+    DRAFT = "draft"  # a second compiled ifb engine with the same tokenizer, run greedily
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +34,16 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     suffix_cache_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS
+    draft_engine: str | None = None  # the draft method's engine folder
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", SpeculativeMethod(self.method))
+        if self.method is SpeculativeMethod.DRAFT and not self.draft_engine:
+            raise LimitExceededError("speculative method draft needs draft_engine (--draft-engine DIR)")
+        if self.draft_engine and self.method is not SpeculativeMethod.DRAFT:
+            raise LimitExceededError(
+                f"draft_engine {self.draft_engine!r} is only used by speculative method draft, not {self.method.value}"
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "suffix_cache_tokens"):
             if getattr(self, name) < 1:
                 raise LimitExceededError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -49,9 +57,18 @@ class SpeculativeConfig:
         return self.method is not SpeculativeMethod.OFF
 
 
-# The keys of vLLM's --speculative-config we take (its names are ours); "method" takes vLLM's
-# method names too ("ngram", "suffix").
-_VLLM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "suffix_cache_tokens")
+# The keys of vLLM's --speculative-config we take (its names are ours, but "model", the draft
+# model, is our draft_engine folder); "method" takes vLLM's method names too ("ngram", "suffix",
+# "draft_model"), and a "model" without a method means the draft method, as in vLLM.
+_VLLM_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "suffix_cache_tokens",
+)
+_VLLM_METHODS = {"draft_model": SpeculativeMethod.DRAFT}
 
 
 def parse_speculative_config(text: str, base: SpeculativeConfig) -> SpeculativeConfig:
@@ -68,14 +85,19 @@ def parse_speculative_config(text: str, base: SpeculativeConfig) -> SpeculativeC
         raise LimitExceededError(
             f"speculative_config: unsupported key(s) {', '.join(unknown)}; supported: {', '.join(_VLLM_KEYS)}"
         )
-    method = record.get("method", base.method.value if base.enabled else SpeculativeMethod.NGRAM.value)
-    if not isinstance(method, str) or method not in {m.value for m in SpeculativeMethod}:  # a list is unhashable
+    default = SpeculativeMethod.DRAFT if "model" in record else SpeculativeMethod.NGRAM
+    method = record.get("method", base.method.value if base.enabled else default.value)
+    names = {m.value: m for m in SpeculativeMethod} | _VLLM_METHODS
+    if not isinstance(method, str) or method not in names:  # a list is unhashable
         raise LimitExceededError(
-            f"speculative_config: method {method!r} is not supported here; "
-            f"choose one of {', '.join(m.value for m in SpeculativeMethod)}"
+            f"speculative_config: method {method!r} is not supported here; choose one of {', '.join(names)}"
         )
-    values = {key: value for key, value in record.items() if key != "method"}
+    values = {key: value for key, value in record.items() if key not in ("method", "model")}
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool):
             raise LimitExceededError(f"speculative_config: {key} must be an integer, got {value!r}")
-    return replace(base, method=SpeculativeMethod(method), **values)
+    if "model" in record:
+        if not isinstance(record["model"], str) or not record["model"]:
+            raise LimitExceededError(f"speculative_config: model must be an engine folder, got {record['model']!r}")
+        values["draft_engine"] = record["model"]
+    return replace(base, method=names[method], **values)

@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ifb.runtime.request import Request
 from ifb.runtime.step_budget.budgets import StepBudget
 from ifb.runtime.step_budget.cost_model import StepShape
 from ifb.runtime.step_budget.time_correction import StepTimeCorrection
+
+if TYPE_CHECKING:  # the scheduling side loads without torch (tests/unit/test_layering.py)
+    from ifb.runtime.engine_format import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +49,16 @@ _PRIOR_TRIED = 2.0
 
 
 class Proposer(Protocol):
+    def prepare(self, target: EngineConfig) -> None:
+        """Before the first step, on the executor thread (a draft engine loads and is checked)."""
+        ...
+
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that may follow the request's known tokens; [] for none."""
+        ...
+
+    def draft_ms(self, request: Request, num_draft: int) -> float:
+        """The predicted time of proposing `num_draft` tokens (a lookup's is ~0)."""
         ...
 
     def finished(self, request: Request) -> None:
@@ -113,12 +124,14 @@ def _worth(
     emitted: float,
     target_ms: float | None,
     ratios: tuple[float, float] = (1.0, 1.0),
+    proposer: Proposer | None = None,
 ) -> int:
     """The draft length (<= limit) that most raises the step's expected tokens per ms, among
     those whose own tokens per added ms beat the step's by MIN_RATE_GAIN, within the target; 0 if
     none. (The draft's own rate, not the step's: against a whole step of 16 rows one draft can
     never move the total by a margin, however cheap it is.) `ratios` turn predictions into what
-    this step (as it stands) and a step with drafts measure here (SpeculationPlanner)."""
+    this step (as it stands) and a step with drafts measure here (SpeculationPlanner); a
+    `proposer`'s own time for the draft (a draft engine's) is added to what the draft costs."""
     now_ratio, drafted_ratio = ratios
     now_ms = step_ms * now_ratio
     base_rate = emitted / now_ms if now_ms > 0 else 0.0
@@ -129,6 +142,8 @@ def _worth(
             break
         gain = expected_extra_tokens(alpha, k)
         added_ms = predicted * drafted_ratio - now_ms
+        if proposer is not None:
+            added_ms += proposer.draft_ms(request, k)
         if added_ms > 0 and gain / added_ms < base_rate * (1 + MIN_RATE_GAIN):
             continue
         rate = (emitted + gain) / (now_ms + max(added_ms, 0.0))
@@ -139,6 +154,9 @@ def _worth(
 
 class NoSpeculation:
     """Speculation off: no drafts, nothing observed."""
+
+    def prepare(self, target: EngineConfig) -> None:
+        return None
 
     def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]:
         return {}
@@ -163,6 +181,9 @@ class SpeculationPlanner:
         # A draft is worth what the step measures with it minus what it measures without.
         self.with_drafts = StepTimeCorrection()
         self.without_drafts = StepTimeCorrection()
+
+    def prepare(self, target: EngineConfig) -> None:
+        self.proposer.prepare(target)
 
     def observe_step(self, predicted_ms: float, measured_ms: float, has_drafts: bool) -> None:
         """A decode step's predicted and measured time (steps with a prompt chunk are not seen).
@@ -195,13 +216,18 @@ class SpeculationPlanner:
                 continue
             alpha = acceptance_rate(request)
             ratios = (self.with_drafts.ratio if drafts else self.without_drafts.ratio, self.with_drafts.ratio)
-            if step_ms is not None and not _worth(
-                budget, shape, request, alpha, limit, step_ms, emitted, target_ms, ratios
-            ):
-                continue  # not even a full draft would pay: skip the lookup
+            if step_ms is not None:
+                # The longest draft that would pay; none: skip the lookup (or the draft engine).
+                limit = _worth(budget, shape, request, alpha, limit, step_ms, emitted, target_ms, ratios, self.proposer)
+                if not limit:
+                    continue
             draft = self.proposer.propose(request, limit)[:limit]
             if step_ms is not None:
-                draft = draft[: _worth(budget, shape, request, alpha, len(draft), step_ms, emitted, target_ms, ratios)]
+                draft = draft[
+                    : _worth(
+                        budget, shape, request, alpha, len(draft), step_ms, emitted, target_ms, ratios, self.proposer
+                    )
+                ]
             if not draft:
                 continue
             drafts[request.request_id] = tuple(draft)
@@ -228,6 +254,8 @@ class SpeculationPlanner:
 
 class Speculation(Protocol):
     """What the scheduler holds: a planner, or NoSpeculation."""
+
+    def prepare(self, target: EngineConfig) -> None: ...
 
     def plan(self, room: DraftRoom, budget: StepBudget) -> dict[str, tuple[int, ...]]: ...
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ifb.runtime.request import Request
+
+if TYPE_CHECKING:  # the scheduling side loads without torch (tests/unit/test_layering.py)
+    from ifb.runtime.engine_format import EngineConfig
 
 _WIDTH = 4  # bytes per token in the packed haystack
 
@@ -71,6 +75,12 @@ class PromptLookupProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
+
+    def prepare(self, target: EngineConfig) -> None:
+        return None  # nothing to load
+
+    def draft_ms(self, request: Request, num_draft: int) -> float:
+        return 0.0  # a lookup costs microseconds
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         match = self.match(request, max_tokens)

@@ -13,9 +13,13 @@ dropped first; a request longer than the bound keeps only its last `max_tokens`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from ifb.runtime.request import Request
 from ifb.runtime.speculation.prompt_lookup import Match, PromptLookupProposer, longest_match, pack
+
+if TYPE_CHECKING:  # the scheduling side loads without torch (tests/unit/test_layering.py)
+    from ifb.runtime.engine_format import EngineConfig
 
 _WIDTH = 4
 _SEPARATOR = pack([-1])
@@ -60,6 +64,12 @@ class SuffixCacheProposer:
     @property
     def num_cached_tokens(self) -> int:
         return self._num_tokens
+
+    def prepare(self, target: EngineConfig) -> None:
+        return None  # nothing to load
+
+    def draft_ms(self, request: Request, num_draft: int) -> float:
+        return 0.0  # a lookup costs microseconds
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """The longer of the request's own match and the cache's (own wins a tie: it is the

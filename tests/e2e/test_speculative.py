@@ -227,7 +227,55 @@ def test_completions_n_and_metrics_over_http(tiny_q4_gguf_engine: Path) -> None:
             health = httpx.get(base + "/health", timeout=10).json()
     assert [c["text"] for c in on["choices"]] == [c["text"] for c in off["choices"]]
     assert health["speculative"]["method"] == "ngram" and health["speculative"]["num_speculative_tokens"] == 4
+    assert health["speculative"]["draft_engine"] is None
     drafts = health["speculative"]["num_drafts"]
     assert drafts > 0 and 0 <= health["speculative"]["acceptance_rate"] <= 1
     assert re.search(rf"^ifb:spec_decode_num_drafts_total {drafts}\.0$", metrics, re.M), metrics
     assert re.search(rf"^ifb:spec_decode_acceptance_length_count {drafts}\.0$", metrics, re.M)
+
+
+# -- a draft engine ----------------------------------------------------------------------------
+def test_the_target_as_its_own_draft_engine_is_accepted_every_time(tiny_q4_gguf_engine: Path) -> None:
+    """With only tiny models here, the draft engine is the target itself: its greedy drafts are
+    what the target samples, so every drafted token holds. That proves the mechanics (the draft
+    pool, catching up on the prompt and on kept drafts, cutting rejected draft context), not a
+    speedup: drafting k tokens costs k steps of the same engine."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    off, _ = run(tiny_q4_gguf_engine, "off", prompts(), params)
+    with LLM(tiny_q4_gguf_engine, speculative="draft", draft_engine=str(tiny_q4_gguf_engine)) as llm:
+        on = drafts_whenever_proposed(llm).generate(prompts(), params)
+        counters = llm.stats().counters
+        proposer = llm.executor.scheduler.speculation.proposer
+        assert proposer.num_free_blocks == proposer.config.limits.num_kv_blocks  # finished requests gave theirs back
+    same(off, on)
+    drafted(counters)
+    assert counters.spec_num_accepted_tokens == counters.spec_num_draft_tokens
+    # Sampled requests: greedy drafts against the target's draws, rejected often; the output is
+    # still token for token what the seeded request gives without speculation.
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, top_k=8, seed=11, ignore_eos=True)
+    off_sampled, _ = run(tiny_q4_gguf_engine, "off", prompts(), seeded)
+    on_sampled, sampled_counters = run(
+        tiny_q4_gguf_engine, "draft", prompts(), seeded, draft_engine=str(tiny_q4_gguf_engine)
+    )
+    same(off_sampled, on_sampled)
+    assert 0 < sampled_counters.spec_num_accepted_tokens < sampled_counters.spec_num_draft_tokens
+
+
+def test_a_different_draft_engine_leaves_the_output_unchanged(
+    tiny_q4_gguf_engine: Path, tiny_q4_gguf_int8_engine: Path
+) -> None:
+    """The int8-compute build of the same GGUF drafts for the exact one: other arithmetic, the
+    same tokenizer. Greedy output is the target's, whatever the draft proposed."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    off, _ = run(tiny_q4_gguf_engine, "off", prompts(), params)
+    on, counters = run(tiny_q4_gguf_engine, "draft", prompts(), params, draft_engine=str(tiny_q4_gguf_int8_engine))
+    same(off, on)
+    drafted(counters)
+
+
+def test_a_draft_engine_with_another_tokenizer_is_refused(tiny_q4_gguf_engine: Path, tiny_qwen2_engine: Path) -> None:
+    with pytest.raises(Exception, match="draft_engine .*tokenizer"):
+        with LLM(tiny_q4_gguf_engine, speculative="draft", draft_engine=str(tiny_qwen2_engine)):
+            pass
+    with pytest.raises(Exception, match="speculative method draft needs draft_engine"):
+        LLM(tiny_q4_gguf_engine, speculative="draft")

@@ -18,6 +18,7 @@ from ifb.runtime.runtime_config import RuntimeSettings
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler
 from ifb.runtime.speculation.config import SpeculativeConfig, SpeculativeMethod, parse_speculative_config
+from ifb.runtime.speculation.draft_model import DraftContext, DraftModelProposer
 from ifb.runtime.speculation.planner import DraftRoom, SpeculationPlanner, acceptance_rate
 from ifb.runtime.speculation.prompt_lookup import PromptLookupProposer
 from ifb.runtime.speculation.suffix_cache import SuffixCacheProposer
@@ -91,6 +92,12 @@ class Always:
     def __init__(self, tokens: Sequence[int] = tuple(range(500, 560))) -> None:
         self.tokens = list(tokens)
         self.asked: list[int] = []
+
+    def prepare(self, target: object) -> None:
+        return None
+
+    def draft_ms(self, request: Request, num_draft: int) -> float:
+        return 0.0
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         self.asked.append(max_tokens)
@@ -293,6 +300,22 @@ def test_vllm_speculative_config_keys_are_accepted() -> None:
     overridden = RuntimeSettings(speculative="suffix", speculative_config='{"num_speculative_tokens": 2}')
     assert overridden.speculation() == SpeculativeConfig(SpeculativeMethod.SUFFIX, 2)
     assert RuntimeSettings().speculation().enabled is False
+    # vLLM's draft model: "model" (our draft engine folder) alone means the draft method.
+    draft = SpeculativeConfig(SpeculativeMethod.DRAFT, 3, draft_engine="engines/small")
+    assert (
+        parse_speculative_config('{"model": "engines/small", "num_speculative_tokens": 3}', SpeculativeConfig())
+        == draft
+    )
+    assert (
+        parse_speculative_config(
+            '{"method": "draft_model", "model": "engines/small", "num_speculative_tokens": 3}', SpeculativeConfig()
+        )
+        == draft
+    )
+    assert (
+        RuntimeSettings(speculative="draft", draft_engine="engines/small", num_speculative_tokens=3).speculation()
+        == draft
+    )
 
 
 @pytest.mark.parametrize(
@@ -308,6 +331,9 @@ def test_vllm_speculative_config_keys_are_accepted() -> None:
         ('["ngram"]', "speculative_config"),
         ('{"method": "ngram"', "speculative_config"),
         ('{"prompt_lookup_max": 1, "prompt_lookup_min": 3}', "prompt_lookup_max"),
+        ('{"method": "draft_model"}', "draft_engine"),
+        ('{"model": 3}', "model"),
+        ('{"method": "ngram", "model": "engines/small"}', "draft_engine"),
     ],
 )
 def test_bad_speculative_config_is_an_error_naming_the_field(text: str, named: str) -> None:
@@ -664,3 +690,15 @@ def test_drafted_steps_measured_slower_than_predicted_shrink_drafts_and_the_drif
     for _ in range(400):
         planner.observe_step(11.0, 11.0, has_drafts=False)
     assert planner.plan(room([request]), budget)
+
+
+def test_a_draft_engine_keeps_only_the_context_that_matches_the_real_tokens() -> None:
+    """The draft engine's context for a request is cut back to the tokens that match the
+    request's own (kept drafts stay, the first rejected one and all after it go), and the last
+    known token is always computed again: its logits give the first draft."""
+    context = DraftContext(fed=[1, 2, 3, 4, 9, 8], num_known=4)  # 9, 8 were drafts
+    assert DraftModelProposer._matching(context, [1, 2, 3, 4, 5, 6]) == 4  # 9 rejected
+    assert DraftModelProposer._matching(context, [1, 2, 3, 4, 9, 7, 6]) == 5  # 9 kept, 8 rejected
+    assert DraftModelProposer._matching(context, [1, 2, 3, 4, 9, 8, 7]) == 6  # both kept
+    assert DraftModelProposer._matching(context, [1, 2, 3, 4, 9, 8]) == 5  # the last token anew
+    assert DraftModelProposer._matching(DraftContext(), [1, 2, 3]) == 0  # a new request: its prompt
