@@ -33,7 +33,16 @@ SERVING_OPTION_GROUPS = {
         "draft_engine",
         "speculative_config",
     ),
-    "Server": ("host", "port", "served_model_names", "api_key", "api_key_file", "allowed_origins", "reasoning_parser"),
+    "Server": (
+        "host",
+        "port",
+        "served_model_names",
+        "api_key",
+        "api_key_file",
+        "allowed_origins",
+        "reasoning_parser",
+        "tool_call_parser",
+    ),
     "Logging": ("log_level", "log_format"),
 }
 

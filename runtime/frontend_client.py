@@ -59,6 +59,11 @@ class FrontendClient:
     ) -> list[int]:
         return self.frontend.apply_chat_template(messages, tools, chat_template_kwargs)
 
+    @property
+    def chat_template(self) -> str | None:
+        template = self.frontend.chat_template
+        return template if isinstance(template, str) else None  # named templates (a dict) are not read
+
     def detokenize(self, token_ids: list[int]) -> str:
         return self.frontend.detokenize(token_ids)
 

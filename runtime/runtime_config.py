@@ -11,6 +11,7 @@ from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.reasoning import ReasoningParserKind
+from ifb.runtime.server.tool_parsers import ToolCallParserKind
 from ifb.runtime.speculation.config import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     DEFAULT_PROMPT_LOOKUP_MAX,
@@ -167,10 +168,19 @@ class ServerSettings:
         "when streamed): qwen3 when the reply or the prompt opens the tag, deepseek_r1 always (its template "
         "opens it). Default: replies as generated.",
     )
+    tool_call_parser: ToolCallParserKind | None = option(
+        None,
+        "The format tool calls are read in from chat replies (tool_choice auto): hermes "
+        "(<tool_call>{...}</tool_call>: Qwen, SmolLM, Hermes), llama3_json (a reply that is "
+        '{"name": ..., "parameters": ...}: Llama 3.x) or mistral ([TOOL_CALLS]...). Default: the one the '
+        "chat template teaches (hermes if it shows none).",
+    )
 
-    def __post_init__(self) -> None:  # accept the enum's string value from CLIs and callers
+    def __post_init__(self) -> None:  # accept the enums' string values from CLIs and callers
         if self.reasoning_parser is not None:
             object.__setattr__(self, "reasoning_parser", ReasoningParserKind(self.reasoning_parser))
+        if self.tool_call_parser is not None:
+            object.__setattr__(self, "tool_call_parser", ToolCallParserKind(self.tool_call_parser))
 
     def app_options(self) -> dict[str, Any]:
         """create_app's keywords: every setting but where to listen."""

@@ -20,6 +20,7 @@ from ifb.runtime.reasoning import ReasoningParserKind, make_reasoning_parser
 from ifb.runtime.server.errors import ModelNotFound, error_response, validation_field
 from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware
 from ifb.runtime.server.routes import Routes
+from ifb.runtime.server.tool_parsers import ToolCallParserKind, make_tool_call_parser, tool_call_parser_for_template
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,14 @@ def create_app(
     served_model_names: tuple[str, ...] = (),
     allowed_origins: tuple[str, ...] = (),
     reasoning_parser: ReasoningParserKind | None = None,
+    tool_call_parser: ToolCallParserKind | None = None,
 ) -> FastAPI:
     """The app over any EngineClient (the in-process LLM, or the Ray replica set).
     `served_model_names`: the names clients may use (the first is reported), default the
     engine's model name; `allowed_origins`: CORS origins (none by default: no CORS headers);
-    `reasoning_parser`: how chat replies' reasoning is split off (runtime/reasoning.py)."""
+    `reasoning_parser`: how chat replies' reasoning is split off (runtime/reasoning.py);
+    `tool_call_parser`: the format `auto` tool calls are read in (runtime/server/tool_parsers.py),
+    default the one the engine's chat template teaches."""
     with_key = api_key is not None
     app = FastAPI(
         title="ifb",
@@ -45,7 +49,12 @@ def create_app(
         redoc_url=None if with_key else "/redoc",
         openapi_url=None if with_key else "/openapi.json",
     )
-    routes = Routes(engine, served_model_names or (engine.model_info.name,), make_reasoning_parser(reasoning_parser))
+    if tool_call_parser is None:
+        tool_call_parser = tool_call_parser_for_template(engine.chat_template)
+        logger.info("tool calls (tool_choice auto): the %s format, the chat template's", tool_call_parser.value)
+    tools = make_tool_call_parser(tool_call_parser)
+    names = served_model_names or (engine.model_info.name,)
+    routes = Routes(engine, names, make_reasoning_parser(reasoning_parser), tools)
     _add_error_handlers(app, engine)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     if allowed_origins:  # added last, so it runs first: preflight requests carry no API key

@@ -15,7 +15,8 @@ from ifb.runtime.reasoning import NoReasoning, ReasoningParser, ReasoningStream,
 from ifb.runtime.request import FinishReason
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.server import openai_responses as wire
-from ifb.runtime.server.tools import TOOL_CALL_OPEN, ToolPlan
+from ifb.runtime.server.tool_parsers import CallHoldBack, CallMarkers, HermesToolParser, ToolCallParser
+from ifb.runtime.server.tools import ToolPlan
 
 TokenText = Callable[[int], str]
 
@@ -42,6 +43,7 @@ class ResponseShape:
     tools: ToolPlan | None = None
     reasoning: ReasoningParser = NoReasoning()
     prompt_tail: str = ""  # the chat prompt's end, as text (only for a parser that reads it)
+    tool_parser: ToolCallParser = HermesToolParser()  # reads `auto` calls in the model family's format
 
     def chunk(self, choices: list[Any], usage: wire.Usage | None = None) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -59,7 +61,8 @@ class ResponseShape:
         return sse(wire.ErrorBody(error=error), exclude_unset=True)  # no `param` key
 
     def stream_for(self, choice: Choice) -> ChoiceStream:
-        return ChoiceStream(self, choice, self.reasoning_stream(choice))
+        calls = self.tools.hold_back(self.tool_parser) if self.tools is not None else CallHoldBack(CallMarkers())
+        return ChoiceStream(self, choice, self.reasoning_stream(choice), calls)
 
     def reasoning_stream(self, choice: Choice) -> ReasoningStream:
         return self.reasoning.stream(self.prompt_tail, guided=choice.params.guided is not None)
@@ -104,7 +107,7 @@ class ResponseShape:
             logprobs = self.completion_logprobs(choice, outputs)
             return wire.CompletionChoice(index=choice.index, text=text, finish_reason=reason, logprobs=logprobs)
         split = split_reasoning(self.reasoning_stream(choice), text)  # tool calls come from the content only
-        content, calls = self.tools.parse(split.content) if self.tools is not None else (split.content, [])
+        content, calls = self.tools.parse(split.content, self.tool_parser) if self.tools else (split.content, [])
         message = wire.ChatMessage(
             content=(content or None) if split.reasoning else content,
             reasoning_content=split.reasoning or None,
@@ -120,12 +123,13 @@ class ResponseShape:
 class ChoiceStream:
     """Turns one choice's deltas into SSE chunks. Reasoning is split off first (`reasoning`
     holds back a tag split across deltas); with tools, content that may be (part of) a tool call
-    is held back: `<tool_call>` blocks in `auto` mode, the whole reply when a call is forced."""
+    is held back (`calls`): from where the tool-call parser sees one open in `auto` mode, the
+    whole reply when a call is forced."""
 
     shape: ResponseShape
     choice: Choice
     reasoning: ReasoningStream
-    held: str = ""
+    calls: CallHoldBack
 
     def chunks(self, output: RequestOutput) -> list[str]:
         reason = output.finish_reason.value if output.finished and output.finish_reason else None
@@ -137,7 +141,7 @@ class ChoiceStream:
         split = self.reasoning.feed(output.new_text)
         if output.finished:
             split += self.reasoning.finish()
-        visible = self._visible(split.content)
+        visible = self.calls.feed(split.content)
         chat_logprobs = self.shape.chat_logprobs(self.choice, [output])
         out = []
         if visible or split.reasoning or chat_logprobs is not None or not output.finished:
@@ -148,24 +152,11 @@ class ChoiceStream:
             out.append(self._final_chunk(reason))
         return out
 
-    def _visible(self, new_text: str) -> str:
-        """The text safe to show now; the rest waits for the tool parser at the end."""
-        tools = self.shape.tools
-        if tools is None or tools.mode == "none":
-            return new_text
-        if tools.mode != "auto" or TOOL_CALL_OPEN in self.held + new_text:
-            self.held += new_text
-            return ""
-        pending = self.held + new_text
-        keep = _partial_marker_length(pending)
-        self.held = pending[len(pending) - keep :] if keep else ""
-        return pending[: len(pending) - keep]
-
     def _final_chunk(self, reason: str | None) -> str:
         tools = self.shape.tools
         if tools is None or tools.mode == "none":
             return self._chunk(wire.Delta(), reason, None)
-        content, calls = tools.parse(self.held)  # what was held back: calls, or plain text after all
+        content, calls = tools.parse(self.calls.finish(), self.shape.tool_parser)  # calls, or text after all
         tool_calls = [wire.ToolCallDelta.model_validate({"index": i, **call}) for i, call in enumerate(calls)]
         delta = wire.Delta(tool_calls=tool_calls or None, content=content or None)
         return self._chunk(delta, "tool_calls" if calls else reason, None)
@@ -182,14 +173,6 @@ def sse(record: BaseModel, exclude_unset: bool = False) -> str:
 def _entries(choice: Choice, outputs: list[RequestOutput]) -> list[TokenLogprob]:
     """The logprobs to send: none unless the request asked for them."""
     return [lp for o in outputs for lp in o.logprobs] if choice.params.logprobs is not None else []
-
-
-def _partial_marker_length(text: str) -> int:
-    """How many trailing characters could be the start of `<tool_call>`."""
-    for size in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def usage(choices: list[Choice], results: list[list[RequestOutput]]) -> wire.Usage:

@@ -24,15 +24,23 @@ from ifb.runtime.server.openai_protocol import (
 )
 from ifb.runtime.server.responses import Choice, ResponseShape, first_error
 from ifb.runtime.server.streams import close, collect_all, first_delta, refuse_queue_timeouts, sse_events
+from ifb.runtime.server.tool_parsers import ToolCallParser
 from ifb.runtime.server.tools import ToolPlan
 
 OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 
 
 class Routes:
-    def __init__(self, engine: EngineClient, model_names: tuple[str, ...], reasoning: ReasoningParser) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_names: tuple[str, ...],
+        reasoning: ReasoningParser,
+        tool_parser: ToolCallParser,
+    ) -> None:
         self.engine = engine
         self.reasoning = reasoning
+        self.tool_parser = tool_parser
         self.model_names = model_names
         self.model_id = model_names[0]
 
@@ -100,7 +108,9 @@ class Routes:
         streams = [refuse_queue_timeouts(s) for s in opened]
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, token_text = int(time.time()), self.engine.token_text
-        shape = ResponseShape(response_id, created, self.model_id, chat, token_text, tools, self.reasoning, prompt_tail)
+        shape = ResponseShape(
+            response_id, created, self.model_id, chat, token_text, tools, self.reasoning, prompt_tail, self.tool_parser
+        )
         if body.stream:
             return await self._stream(shape, choices, streams, body)
         task = asyncio.ensure_future(collect_all(streams))

@@ -5,14 +5,13 @@
   engine to its JSON schema, so they always parse and validate.
 - `required`: the reply is {"name": ..., "arguments": ...} constrained to one of the tools
   (anyOf over the tools' schemas), so it always names a real tool with valid arguments.
-- `auto`: the model decides; `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in
-  its text (the Hermes / Qwen / SmolLM2 convention) are parsed into `tool_calls`.
+- `auto`: the model decides; the calls in its text, in its family's format, are read by the
+  server's tool-call parser (tool_parsers.py: hermes `<tool_call>` blocks, llama3_json, mistral).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,10 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
+from ifb.runtime.server.tool_parsers import CallHoldBack, CallMarkers, ToolCallParser
 from ifb.runtime.unicode_text import require_unicode_strings
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-TOOL_CALL_OPEN = "<tool_call>"
 
 
 class FunctionDefinition(BaseModel):
@@ -79,22 +76,31 @@ class ToolPlan:
         """The tools as the chat template expects them (None: the template sees no tools)."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools and self.mode != "none" else None
 
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a finished reply; a forced call cut short (finish reason
-        `length`) comes back as text, for the client to see, rather than as a broken call."""
+    def hold_back(self, parser: ToolCallParser) -> CallHoldBack:
+        """What a stream of the reply holds back: nothing without tools, everything when a call
+        is forced, and from where `parser` sees a call may open in `auto`."""
+        if self.mode == "none":
+            return CallHoldBack(CallMarkers())
+        return CallHoldBack(parser.markers, opened=self.mode != "auto")
+
+    def parse(self, text: str, parser: ToolCallParser) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a finished reply, `auto` calls read by `parser`; a forced call
+        cut short (finish reason `length`) comes back as text, for the client to see, rather
+        than as a broken call."""
         try:
-            return self._parse(text)
+            return self._parse(text, parser)
         except (ValueError, KeyError, TypeError):
             return text, []
 
-    def _parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def _parse(self, text: str, parser: ToolCallParser) -> tuple[str | None, list[dict[str, Any]]]:
         if self.mode == "named":
             return None, [_call(self.named or "", json.dumps(_loads(text)))]  # normalized; the grammar made it
         if self.mode == "required":
             call = _loads(text)
             return None, [_call(call["name"], json.dumps(call["arguments"]))]
         if self.mode == "auto":
-            return parse_tool_call_blocks(text, {t.function.name for t in self.tools})
+            content, calls = parser.parse(text, {t.function.name for t in self.tools})
+            return content, [_call(c.name, c.arguments) for c in calls]
         return text, []
 
 
@@ -117,28 +123,6 @@ def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolPlan:
     if choice in ("required", "auto") and not tools:
         raise AdmissionError(f"tool_choice {choice!r} needs at least one tool in tools", field="tool_choice")
     return ToolPlan(choice, tuple(tools))
-
-
-def parse_tool_call_blocks(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """`<tool_call>{json}</tool_call>` blocks naming a known tool become calls; the rest is content.
-    A block that does not parse or names an unknown tool stays in the content, as text."""
-    calls = []
-    kept: list[str] = []
-    position = 0
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            call = _loads(match.group(1))
-            name, arguments = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            continue
-        if name not in names:
-            continue
-        kept.append(text[position : match.start()])
-        position = match.end()
-        calls.append(_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
-    kept.append(text[position:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
 
 
 def _loads(text: str) -> Any:

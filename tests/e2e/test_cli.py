@@ -24,6 +24,7 @@ from ifb.cli.run_command import RUN_OPTION_GROUPS, run, set_compute_threads
 from ifb.cli.serving_options import resolve_api_key
 from ifb.runtime.llm import LLM
 from ifb.runtime.reasoning import ReasoningParserKind
+from ifb.runtime.server.tool_parsers import ToolCallParserKind
 
 MARKER_TEMPLATE = "{% for m in messages %}MARKER {{ m['content'] }} {% endfor %}"
 HI = [{"role": "user", "content": "hi"}]
@@ -321,6 +322,8 @@ def test_serve_builds_with_run_build_options_and_hands_every_setting_on(
         "json",
         "--reasoning-parser",
         "deepseek_r1",
+        "--tool-call-parser",
+        "mistral",
         env={"IFB_API_KEY": "sesame"},
     )
     assert result.exit_code == 0, result.output
@@ -335,4 +338,5 @@ def test_serve_builds_with_run_build_options_and_hands_every_setting_on(
         "api_key": "sesame",
         "allowed_origins": (),
         "reasoning_parser": ReasoningParserKind.DEEPSEEK_R1,
+        "tool_call_parser": ToolCallParserKind.MISTRAL,
     }

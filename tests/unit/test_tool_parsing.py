@@ -8,22 +8,22 @@ from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.server.responses import Choice, ResponseShape
-from ifb.runtime.server.tools import FunctionDefinition, Tool, parse_tool_call_blocks, plan_tools
+from ifb.runtime.server.tool_parsers import HermesToolParser, ParsedCall
+from ifb.runtime.server.tools import FunctionDefinition, Tool, plan_tools
 
 NAMES = {"get_weather"}
 
 
 def test_blocks_naming_known_tools_become_calls_and_the_rest_stays_content() -> None:
     text = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> Done.'
-    content, calls = parse_tool_call_blocks(text, NAMES)
+    content, calls = HermesToolParser().parse(text, NAMES)
     assert content == "Let me check.  Done."
-    assert calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert calls == [ParsedCall("get_weather", json.dumps({"city": "Oslo"}))]
 
 
 def test_unknown_tools_and_broken_json_stay_text() -> None:
     for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>{not json</tool_call>"):
-        assert parse_tool_call_blocks(text, NAMES) == (text, [])
+        assert HermesToolParser().parse(text, NAMES) == (text, [])
 
 
 def delta(text: str, finished: bool = False) -> RequestOutput:
