@@ -133,10 +133,19 @@ class BuildSummary:
     weight_compute: str
 
 
-def rope_tables(hf_config: Any) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling from transformers' own RoPE init (llama3/yarn/... scaling)."""
+def rope_tables(hf_config: Any, max_seq_len: int) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling from transformers' own RoPE init (llama3/yarn/longrope/...
+    scaling). LongRoPE (Phi-3) takes its long factors for an engine whose max_seq_len passes
+    original_max_position_embeddings, for every position, as llama.cpp does for such a context:
+    transformers switches per call by the sequence's length, so on prompts shorter than the
+    original window such an engine differs from it (the short factors apply there)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=max_seq_len)
+        return inv_freq.float().clone(), float(attention)
     rotary = LlamaRotaryEmbedding(hf_config)
     return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)
 
@@ -147,7 +156,7 @@ def _convert(
     """The network, its weights written to `weights_path` module by module from the mapped source
     and then mapped back in: the build holds one module in flight, never a second whole copy."""
     spec = model_spec_from_hf_config(metadata.hf_config)
-    inv_freq, rope_scaling = rope_tables(metadata.hf_config)
+    inv_freq, rope_scaling = rope_tables(metadata.hf_config, limits.max_seq_len)
     tensors = open_tensors(metadata.source, spec)
     keeps_blocks = source_packs_weights(metadata.source, options.weights, options.backend)
     plan = plan_weights(tensors, options.weights if keeps_blocks or options.weights != "auto" else "fp32")

@@ -21,12 +21,19 @@ _LAYER_LINEARS = {
     "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down": ("mlp.down_proj",),
 }
+# Phi-3 checkpoints store both fused, in our row order (q, k, v; gate, up)
+_FUSED_LAYER_LINEARS = {
+    **_LAYER_LINEARS,
+    "attn.qkv": ("self_attn.qkv_proj",),
+    "mlp.gate_up": ("mlp.gate_up_proj",),
+}
+FUSED_ARCHITECTURES = ("phi3",)
 _LAYER_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
 _TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 class CheckpointTensors:
-    """The tensors of an HF Llama/Mistral/Qwen2/Qwen3 checkpoint folder, read on demand (all dense)."""
+    """The tensors of an HF Llama/Mistral/Qwen2/Qwen3/Phi-3 checkpoint folder, read on demand (all dense)."""
 
     def __init__(self, folder: Path, spec: ModelSpec) -> None:
         from safetensors import SafetensorError, safe_open
@@ -51,8 +58,9 @@ class CheckpointTensors:
 
     def _linear_parts(self) -> dict[str, tuple[str, ...]]:
         parts: dict[str, tuple[str, ...]] = {}
+        layer_linears = _FUSED_LAYER_LINEARS if self.spec.architecture in FUSED_ARCHITECTURES else _LAYER_LINEARS
         for i in range(self.spec.num_layers):
-            for module, names in _LAYER_LINEARS.items():
+            for module, names in layer_linears.items():
                 parts[f"layers.{i}.{module}"] = tuple(f"model.layers.{i}.{name}.weight" for name in names)
         untied = not self.spec.tie_word_embeddings and "lm_head.weight" in self._where
         parts["lm_head"] = ("lm_head.weight",) if untied else ("model.embed_tokens.weight",)

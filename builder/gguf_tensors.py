@@ -34,6 +34,10 @@ _LAYER_LINEARS = {
     "mlp.gate_up": ("ffn_gate", "ffn_up"),
     "mlp.down": ("ffn_down",),
 }
+# llama.cpp's Phi-3 converter keeps the checkpoint's fused tensors: attn_qkv, and ffn_up holding
+# gate then up (its graph splits it in halves for SwiGLU), both in our row order
+_FUSED_LAYER_LINEARS = {**_LAYER_LINEARS, "attn.qkv": ("attn_qkv",), "mlp.gate_up": ("ffn_up",)}
+FUSED_ARCHITECTURES = ("phi3",)
 _LAYER_NORMS = {"input_norm": "attn_norm", "post_norm": "ffn_norm"}
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 
@@ -41,8 +45,9 @@ _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 def linear_parts(spec: ModelSpec, tensor_names: set[str]) -> dict[str, tuple[str, ...]]:
     """Our linear module name -> the GGUF tensor names whose rows it concatenates, in order."""
     parts: dict[str, tuple[str, ...]] = {}
+    layer_linears = _FUSED_LAYER_LINEARS if spec.architecture in FUSED_ARCHITECTURES else _LAYER_LINEARS
     for i in range(spec.num_layers):
-        for module, names in _LAYER_LINEARS.items():
+        for module, names in layer_linears.items():
             parts[f"layers.{i}.{module}"] = tuple(f"blk.{i}.{name}.weight" for name in names)
     untied = not spec.tie_word_embeddings and "output.weight" in tensor_names
     parts["lm_head"] = ("output.weight",) if untied else ("token_embd.weight",)

@@ -14,9 +14,10 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "qwen2": True,
     "qwen3": False,  # dense Qwen3 (0.6B-32B): per-head q/k RMSNorm, no bias
     "smollm3": False,  # SmolLM3: Llama with every 4th layer's RoPE left out (NoPE)
+    "phi3": False,  # Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate_up, LongRoPE, partial rotary
 }
 QK_NORM_ARCHITECTURES = ("qwen3",)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -67,7 +68,15 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
         eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
         qk_norm=model_type in QK_NORM_ARCHITECTURES,
         no_rope_layers=_no_rope_layers(config),
+        sliding_window=_sliding_window(config),
     )
+
+
+def _sliding_window(config: Any) -> int | None:
+    """Phi-3's window (2047 for the 4k models): only an engine whose max_seq_len fits inside it
+    is built, where the window never cuts a row's keys (builder/limits.py checks)."""
+    window = getattr(config, "sliding_window", None) if config.model_type == "phi3" else None
+    return int(window) if window else None
 
 
 def _no_rope_layers(config: Any) -> tuple[int, ...]:

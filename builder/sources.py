@@ -169,7 +169,32 @@ def gguf_config(path: Path) -> Any:
     key_length = reader.fields.get(f"{architecture}.attention.key_length")
     if key_length is not None:
         config.head_dim = int(key_length.contents())
+    if architecture == "phi3":
+        _phi3_rope(config, reader)
     return config
+
+
+def _phi3_rope(config: Any, reader: Any) -> None:
+    """What transformers' GGUF reader drops of a Phi-3 file's RoPE: the rotary dims
+    (`rope.dimension_count`, Phi-4-mini's partial rotary) and LongRoPE's factors, which
+    llama.cpp's converter stores as the tensors rope_factors_short/long beside
+    `rope.scaling.original_context_length`."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = dict(config.rope_parameters)
+    dims = reader.fields.get("phi3.rope.dimension_count")
+    if dims is not None and int(dims.contents()) != head_dim:
+        rope["partial_rotary_factor"] = int(dims.contents()) / head_dim
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    original = reader.fields.get("phi3.rope.scaling.original_context_length")
+    if {"rope_factors_short.weight", "rope_factors_long.weight"} <= set(factors) and original is not None:
+        rope.update(
+            rope_type="longrope",
+            short_factor=[float(x) for x in factors["rope_factors_short.weight"].data],
+            long_factor=[float(x) for x in factors["rope_factors_long.weight"].data],
+            original_max_position_embeddings=int(original.contents()),
+        )
+        config.original_max_position_embeddings = int(original.contents())
+    config.rope_parameters = rope
 
 
 def _load_gguf(source: ModelSource) -> LoadedModel:

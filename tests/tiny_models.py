@@ -46,7 +46,7 @@ def tiny_tokenizer(vocab_size: int = 320) -> Any:
 
 
 def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -72,6 +72,9 @@ def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
     if architecture == "smollm3":
         # layer 1 without RoPE; no pad id (its default, 128004, is past the tiny vocabulary)
         return SmolLM3Config(**{"no_rope_layers": [1, 0], "pad_token_id": None, **common})
+    if architecture == "phi3":
+        # no pad id (its default, 32000, is past the tiny vocabulary); no window unless asked
+        return Phi3Config(**{"pad_token_id": None, "sliding_window": None, **common})
     raise ValueError(architecture)
 
 
@@ -173,6 +176,13 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if architecture == "phi3":  # as llama.cpp's Phi-3 converter: rotary dims, LongRoPE factors as tensors
+        rope = config.rope_parameters
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        if rope.get("rope_type") == "longrope":
+            writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     writer.add_vocab_size(config.vocab_size)
     vocab = tokenizer.get_vocab()
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -203,6 +213,8 @@ def write_gguf(
         "mlp.gate_proj.weight": "ffn_gate.weight",
         "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3: fused, as its converter keeps them
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
         "input_layernorm.weight": "attn_norm.weight",
         "post_attention_layernorm.weight": "ffn_norm.weight",
         "self_attn.q_norm.weight": "attn_q_norm.weight",

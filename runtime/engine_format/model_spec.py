@@ -30,6 +30,9 @@ class ModelSpec:
     qk_norm: bool = False
     # SmolLM3: the layers (by index) whose attention takes no rotary embedding (every 4th there)
     no_rope_layers: tuple[int, ...] = ()
+    # Phi-3: the attention window its checkpoint declares; engines are only built with
+    # max_seq_len inside it (no row's keys ever slide out), so the network needs no mask for it
+    sliding_window: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

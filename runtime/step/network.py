@@ -68,7 +68,8 @@ def attention_ops(spec: ModelSpec, reference: bool, has_kernel_library: bool) ->
 
 
 def rotary_tables(inv_freq: torch.Tensor, rope_scaling: float, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_seq_len, head_dim] on the CPU (half-split layout, as HF Llama)."""
+    """cos/sin [max_seq_len, rotary dims] on the CPU (half-split layout, as HF Llama); the rotary
+    dims are 2 x len(inv_freq): head_dim, or its first part (Phi-4-mini's partial_rotary_factor)."""
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device="cpu"), inv_freq.float().cpu())
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos() * rope_scaling, angles.sin() * rope_scaling
@@ -87,8 +88,12 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D] (half-split rotation, as HF Llama)."""
-    half = x.shape[-1] // 2
+    """x [T, heads, D]; cos/sin [T, R] (half-split rotation, as HF Llama) over the first R <= D
+    dims of each head; the rest pass through (partial rotary, as HF Phi-3)."""
+    rotary_dims = cos.shape[-1]
+    if rotary_dims < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary_dims], cos, sin), x[..., rotary_dims:]), dim=-1)
+    half = rotary_dims // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 

@@ -1,5 +1,6 @@
 """Model families beyond Llama through the real builder: Qwen3 from an HF folder and from a GGUF,
-SmolLM3 (NoPE layers) from an HF folder.
+SmolLM3 (NoPE layers) from an HF folder, Phi-3 / Phi-4-mini (fused tensors, LongRoPE, partial
+rotary) from both.
 
 Pins: Qwen3's per-head q/k RMSNorm is recorded and applied (greedy equals transformers fp32 on an
 HF folder, and transformers' own GGUF load on a Q8_0 GGUF whose blocks stay blocks), head_dim is
@@ -15,6 +16,7 @@ the feature removed.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,111 @@ def _hf_config_with_head_dim(path: Path) -> object:
     from ifb.builder.sources import gguf_config
 
     return gguf_config(path)
+
+
+# -- Phi-3 / Phi-4-mini -------------------------------------------------------------------------
+PHI3_ROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.5, 2.5, 4.0],
+    "long_factor": [2.0, 4.0, 8.0, 16.0],
+}
+
+
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phi-4-mini's shape of RoPE: LongRoPE over half of each 16-wide head (partial_rotary_factor
+    0.5), original window 256 = the tiny engines' max_seq_len (so the short factors apply, as in
+    transformers for these prompts), and fused qkv_proj / gate_up_proj tensors. q/k scaled 10x
+    so attention depends on positions: even then the long factors change the tiny model's last
+    logits by only ~2e-3 and no greedy token, so the tests compare logits too."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_hf_checkpoint(
+        tmp_path_factory.mktemp("tiny-phi3"),
+        "phi3",
+        seed=6,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=256,
+        rope_scaling=PHI3_ROPE,
+    )
+    state = load_file(str(folder / "model.safetensors"))
+    for name, tensor in state.items():
+        if name.endswith("qkv_proj.weight"):
+            q_and_k = 64 + 32  # q: 4 heads x 16, k: 2 heads x 16
+            tensor[:q_and_k] *= 10
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_phi3_folder_engine_greedy_equals_transformers(phi3_dir: Path, tmp_path: Path) -> None:
+    """Fused qkv / gate_up read in our row order, LongRoPE's short factors and attention scaling,
+    rotation over the first half of each head only."""
+    engine = Engine.load(_build(phi3_dir, tmp_path / "phi3"), StepMode.COMPILED)
+    spec = engine.config.spec
+    assert (spec.architecture, spec.head_dim) == ("phi3", 16)
+    assert engine.config.rope_scaling == pytest.approx(math.sqrt(1 + math.log(2) / math.log(256)))
+    hf = AutoModelForCausalLM.from_pretrained(phi3_dir, dtype=torch.float32).eval()
+    for prompt in prompts(spec.vocab_size, [5, 23, 40], seed=7):
+        expected = hf_greedy(hf, prompt, 24)
+        assert greedy_generate(engine, prompt, 24) == expected
+        assert greedy_generate(engine, prompt, 24, chunk=16) == expected
+        assert_last_logits_close(engine, hf, prompt)
+
+
+def assert_last_logits_close(engine: Engine, hf: torch.nn.Module, prompt: list[int]) -> None:
+    """The prompt's next-token logits within 2e-5 of transformers' (fp32 both; a wrong RoPE
+    factor moves them by ~2e-3 here)."""
+    from greedy_loop import scattered_blocks
+
+    from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
+
+    table = scattered_blocks(engine, len(prompt))
+    ours = engine.step(
+        build_step_inputs([RequestSlice(prompt, 0, table, sample=True)], engine.config.limits.block_size)
+    )
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt])).logits[0, -1]
+    assert torch.allclose(ours[0], theirs, atol=2e-5, rtol=0), (ours[0] - theirs).abs().max()
+
+
+def test_phi3_gguf_keeps_blocks_and_reads_its_rope(phi3_dir: Path, tmp_path: Path) -> None:
+    """A Q8_0 GGUF as llama.cpp's converter writes Phi-3 (fused attn_qkv, ffn_up = gate then up,
+    rope.dimension_count, rope_factors_* tensors): the blocks stay blocks, and the partial
+    rotary and LongRoPE that transformers' own GGUF reader drops are read (builder/sources.py)."""
+    from ifb.builder.sources import gguf_config
+
+    gguf_path = write_gguf(tmp_path / "tiny-phi3-q8_0.gguf", phi3_dir, linear_type="Q8_0", embed_type="Q8_0")
+    config = gguf_config(gguf_path)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5
+    assert config.rope_parameters["long_factor"] == PHI3_ROPE["long_factor"]
+    engine = Engine.load(_build(gguf_path, tmp_path / "phi3-q8"), StepMode.COMPILED)
+    formats = EngineConfig.load(tmp_path / "phi3-q8").weight_formats
+    assert formats["layers.0.attn.qkv"] == "q8_0" and formats["layers.0.mlp.gate_up"] == "q8_0"
+    config.pad_token_id = None  # Phi3Config's default (32000) is past the tiny vocabulary
+    hf = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, config=config, dtype=torch.float32
+    ).eval()
+    for prompt in prompts(engine.config.spec.vocab_size, [5, 23, 40], seed=7):
+        assert greedy_generate(engine, prompt, 24) == hf_greedy(hf, prompt, 24)
+        assert_last_logits_close(engine, hf, prompt)
+
+
+def test_phi3_long_factors_apply_past_the_original_window_and_the_window_bounds_the_engine(
+    phi3_dir: Path, tmp_path: Path
+) -> None:
+    """An engine longer than original_max_position_embeddings takes the long factors (for every
+    position, as llama.cpp does); a checkpoint's sliding window bounds max_seq_len, by name."""
+    from transformers import AutoConfig
+
+    from ifb.builder.build import rope_tables
+    from ifb.builder.errors import LimitsError
+
+    config = AutoConfig.from_pretrained(phi3_dir)
+    short, _ = rope_tables(config, 256)
+    long, _ = rope_tables(config, 512)
+    base = 10000.0 ** (torch.arange(0, 8, 2).float() / 8)
+    assert torch.allclose(short, 1 / (torch.tensor(PHI3_ROPE["short_factor"]) * base))
+    assert torch.allclose(long, 1 / (torch.tensor(PHI3_ROPE["long_factor"]) * base))
+    windowed = write_hf_checkpoint(tmp_path / "windowed", "phi3", sliding_window=128)
+    with pytest.raises(LimitsError, match="sliding_window=128"):
+        build_engine(windowed, tmp_path / "engine", BuildOptions(dtype="fp32", **TINY_LIMITS))
