@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.policies import CapacityPolicy, ChunkingPolicy, aligned_chunk
@@ -175,7 +176,7 @@ class Scheduler:
         running, then those waiting that free seats would admit. A preempted request recomputing
         its context has had its first token: it counts as backlog ahead, with no deadline."""
         seats = self.config.max_batch_size - len(self.running)
-        queue = [*prefilling, *(self.waiting[i] for i in range(min(seats, len(self.waiting))))]
+        queue = [*prefilling, *islice(self.waiting, max(0, seats))]
         if not queue:
             return []
         now = self._clock()

@@ -38,7 +38,7 @@ _LLAMA3_INSTRUCTION = re.compile(r'\{"name":[^{}]{0,40},\s*"parameters"')
 _SEPARATORS = " \t\r\n;"  # between llama3_json calls, and trimmed off the content left around them
 # xgrammar lets raw control characters into strings, which strict JSON forbids; they come back
 # escaped by the json.dumps that makes the arguments string.
-_DECODER = json.JSONDecoder(strict=False)
+JSON_DECODER = json.JSONDecoder(strict=False)
 
 
 class ToolCallParserKind(str, enum.Enum):
@@ -114,7 +114,7 @@ class Llama3JsonToolParser:
         position = _skip(body, 0)
         while position < len(body) and body[position] == "{":
             try:
-                value, end = _DECODER.raw_decode(body, position)
+                value, end = JSON_DECODER.raw_decode(body, position)
             except ValueError:
                 break  # broken JSON: it and what follows stay text
             call = _known_call(value, names, "parameters", "arguments")
@@ -158,14 +158,14 @@ def _mistral_segment(segment: str, names: Collection[str]) -> tuple[list[ParsedC
     body = segment.lstrip()
     try:
         if body.startswith("["):  # v3: a JSON list of calls, all valid or the segment stays text
-            value, end = _DECODER.raw_decode(body)
+            value, end = JSON_DECODER.raw_decode(body)
             calls = [_known_call(item, names, "arguments") for item in value] if isinstance(value, list) else []
             valid = [c for c in calls if c is not None]
             return (valid, body[end:]) if valid and len(valid) == len(calls) else None
         brace = body.find("{")  # v11+: name[ARGS]{...}; a [CALL_ID]id before [ARGS] is skipped too
         if brace < 0:
             return None
-        arguments, end = _DECODER.raw_decode(body, brace)
+        arguments, end = JSON_DECODER.raw_decode(body, brace)
     except ValueError:
         return None
     call = _known_call({"name": body[:brace].split("[", 1)[0].strip(), "arguments": arguments}, names, "arguments")
@@ -245,7 +245,7 @@ def _known_call(value: Any, names: Collection[str], *argument_keys: str) -> Pars
 
 def _loads(text: str) -> Any:
     try:
-        return _DECODER.decode(text)
+        return JSON_DECODER.decode(text)
     except ValueError:
         return None
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
-from ifb.runtime.server.tool_parsers import CallHoldBack, CallMarkers, ToolCallParser
+from ifb.runtime.server.tool_parsers import JSON_DECODER, CallHoldBack, CallMarkers, ToolCallParser
 from ifb.runtime.unicode_text import require_unicode_strings
 
 
@@ -126,9 +126,8 @@ def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolPlan:
 
 
 def _loads(text: str) -> Any:
-    """JSON as the grammar engine produced it: xgrammar lets raw control characters into strings,
-    which strict JSON forbids; clients get them escaped by the json.dumps that follows."""
-    return json.loads(text, strict=False)
+    """JSON as the grammar engine produced it (raw control characters in strings allowed)."""
+    return JSON_DECODER.decode(text)
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

@@ -82,7 +82,7 @@ class DraftModelProposer:
         if model is None or num_draft <= 0:
             return 0.0
         context = self._contexts.get(request.request_id)
-        start = min(len(context.fed), request.num_tokens - 1) if context is not None else 0
+        start = self._matching(context, request.token_ids) if context is not None else 0
         catch_up = request.num_tokens - start
         if catch_up == 1:
             first = StepShape(num_decode_rows=1, num_decode_context_tokens=request.num_tokens)
