@@ -47,6 +47,7 @@ from ifb.runtime.engine_format import (
 )
 from ifb.runtime.engine_format.weights_file import TensorEntry, WeightsWriter, map_weights
 from ifb.runtime.runtime_config import option
+from ifb.runtime.step.kv_pool import zeroed_pool
 from ifb.runtime.step.network import StepNetwork, attention_ops
 
 logger = logging.getLogger(__name__)
@@ -255,8 +256,9 @@ def build_engine(
         phase("pack")
         network, rope_scaling = _convert(metadata, limits, dtype, options, folder / WEIGHTS_FILE)
         phase("compile")
-        # The export's sample pools carry the pool dtype into the compiled step's input signature.
-        kv_cache = torch.zeros(kv_pool_shape(spec, limits), dtype=getattr(torch, kv_dtype))
+        # The export's sample pools carry the pool dtype into the compiled step's input signature;
+        # export never writes them, so they take no resident memory (kv_pool.py).
+        kv_cache = zeroed_pool(kv_pool_shape(spec, limits), getattr(torch, kv_dtype))
         compiled = compiler.compile(network, limits, kv_cache, folder)
         del kv_cache
         phase("write")
@@ -289,8 +291,12 @@ def build_engine(
         write_engine_json(folder, config)
         # Last, on the finished folder: it times the engine exactly as `ifb run` will load it.
         phase("calibrate")
-        calibrate_engine_folder(folder)
-        clock.stop()
+
+        def measured_build_info() -> dict[str, Any]:
+            clock.stop()
+            return _build_info(clock)
+
+        calibrate_engine_folder(folder, measured_build_info)  # records the calibration's time and peak too
         artifact_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return BuildSummary(
         output=output,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import EngineFormatError
@@ -20,18 +22,20 @@ from ifb.runtime.step_budget.cost_model import StepCostModel
 logger = logging.getLogger(__name__)
 
 
-def calibrate_engine_folder(folder: Path) -> StepCostModel | None:
-    """Record the cost model in `folder`'s engine.json; None (and a warning) if this machine
-    cannot run the engine (a TensorRT engine built without a usable GPU)."""
+def calibrate_engine_folder(folder: Path, build_info: Callable[[], dict[str, Any]]) -> StepCostModel | None:
+    """Record the cost model in `folder`'s engine.json, with `build_info()` as taken once it is
+    measured (so the record holds the calibration's own time and peak memory); None (and a
+    warning) if this machine cannot run the engine (a TensorRT engine built without a usable GPU)."""
     config = EngineConfig.load(folder, verify=False)  # hashed a moment ago by the writer
     try:
         engine = Engine(config)
     except EngineFormatError as error:
         logger.warning("engine built without a step cost model (cannot run it here: %s)", error)
+        dataclasses.replace(config, build_info=build_info()).write(folder)
         return None
     try:
         model = calibrate(engine)
     finally:
-        del engine  # the KV pool: gigabytes for a full-size engine
-    dataclasses.replace(config, cost_model=model).write(folder)
+        del engine  # the weights' mapping and the KV pool
+    dataclasses.replace(config, cost_model=model, build_info=build_info()).write(folder)
     return model

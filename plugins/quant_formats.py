@@ -159,26 +159,32 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def k_quant_values(flat: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """The integer quant of each weight of K-quant super-blocks [B, bytes] -> [B, 256] int32
-    (Q6_K: 0..63, before the -32)."""
+    """The integer quant of each weight of K-quant super-blocks [B, bytes] -> [B, 256] uint8
+    (Q6_K: 0..63, before the -32). uint8 throughout: packing a model runs this over every weight,
+    and int32 intermediates made it 4x the memory traffic (Q6_K packed at ~7 MB/s)."""
     if fmt is WeightFormat.Q6_K:
-        ql = flat[:, :128].to(torch.int32).reshape(-1, 2, 64)
-        qh = flat[:, 128:192].to(torch.int32).reshape(-1, 2, 1, 32)
+        ql = flat[:, :128].reshape(-1, 2, 64)
+        qh = flat[:, 128:192].reshape(-1, 2, 1, 32)
         low = torch.cat([ql & 15, ql >> 4], dim=2)  # [B, half, 128]: weights 0..63 low, 64..127 high nibbles
-        high = (qh >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)) & 3  # [B, half, 4, 32]
+        high = (qh >> _shifts(0, 2, 4, 6).reshape(1, 1, 4, 1)) & 3  # [B, half, 4, 32]
         return (low | (high.reshape(-1, 2, 128) << 4)).reshape(-1, SUPER_BLOCK)
-    qs = flat[:, -128:].to(torch.int32).reshape(-1, 4, 32)
+    qs = flat[:, -128:].reshape(-1, 4, 32)
     values = torch.stack([qs & 15, qs >> 4], dim=2).reshape(-1, SUPER_BLOCK)  # chunk c: sub-blocks 2c, 2c+1
     if fmt is WeightFormat.Q5_K:
-        qh = flat[:, 16:48].to(torch.int32).reshape(-1, 1, 32)
-        values = values | (((qh >> torch.arange(8).reshape(1, 8, 1)) & 1) << 4).reshape(-1, SUPER_BLOCK)
+        qh = flat[:, 16:48].reshape(-1, 1, 32)
+        values = values | (((qh >> _shifts(*range(8)).reshape(1, 8, 1)) & 1) << 4).reshape(-1, SUPER_BLOCK)
     return values
 
 
+def _shifts(*counts: int) -> torch.Tensor:
+    """Shift counts as uint8, so shifting uint8 bytes by them stays uint8 (no int64 promotion)."""
+    return torch.tensor(counts, dtype=torch.uint8)
+
+
 def legacy_high_bits(flat: torch.Tensor, offset: int) -> torch.Tensor:
-    """Q5_0/Q5_1: the uint32 qh at `offset` -> each weight's 5th bit, [B, 32] int32 times 16."""
-    qh = flat[:, offset : offset + 4].to(torch.int32)
-    bits = (qh[:, :, None] >> torch.arange(8).reshape(1, 1, 8)) & 1  # byte r bit t = weight 8r + t
+    """Q5_0/Q5_1: the uint32 qh at `offset` -> each weight's 5th bit, [B, 32] uint8 times 16."""
+    qh = flat[:, offset : offset + 4]
+    bits = (qh[:, :, None] >> _shifts(*range(8)).reshape(1, 1, 8)) & 1  # byte r bit t = weight 8r + t
     return bits.reshape(-1, BLOCK_SIZE) << 4
 
 
@@ -195,7 +201,7 @@ def dequantize(blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
         weights = d_sc[..., None] * q - d_min[..., None]
     elif fmt is WeightFormat.Q6_K:
         d_sc = _halves(flat, 208) * flat[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-        q = (k_quant_values(flat, fmt) - 32).to(torch.float32).reshape(-1, 16, 16)
+        q = (k_quant_values(flat, fmt).to(torch.int32) - 32).to(torch.float32).reshape(-1, 16, 16)
         weights = d_sc[..., None] * q
     elif fmt is WeightFormat.Q5_0:
         q = ((_nibbles(flat[:, 6:]).to(torch.int32) | legacy_high_bits(flat, 2)) - 16).to(torch.float32)

@@ -178,22 +178,22 @@ def num_tiles(n: int) -> int:
 
 
 def _quant_values(flat: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """GGUF blocks [B, bytes] of a nibble format -> each weight's unsigned quant [B, weights] int32."""
+    """GGUF blocks [B, bytes] of a nibble format -> each weight's unsigned quant [B, weights] uint8."""
     if block_weights(fmt) == SUPER_BLOCK:
         return k_quant_values(flat, fmt)
     nibble_at = {WeightFormat.Q4_0: 2, WeightFormat.Q4_1: 4, WeightFormat.Q5_0: 6, WeightFormat.Q5_1: 8}[fmt]
-    values = torch.cat([flat[:, nibble_at:] & 0x0F, flat[:, nibble_at:] >> 4], dim=-1).to(torch.int32)
+    values = torch.cat([flat[:, nibble_at:] & 0x0F, flat[:, nibble_at:] >> 4], dim=-1)
     if fmt in (WeightFormat.Q5_0, WeightFormat.Q5_1):
         values = values | legacy_high_bits(flat, nibble_at - 4)
     return values
 
 
 def _pack_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
-    """Fields of `width` bits along the last dim (first field lowest) -> one uint8 per group."""
-    total = torch.zeros_like(bits[..., 0])
-    for j in range(bits.shape[-1]):
-        total = total | (bits[..., j] << (width * j))
-    return total.to(torch.uint8)
+    """uint8 fields of `width` bits along the last dim (first field lowest) -> one uint8 per group."""
+    total = bits[..., 0].clone()
+    for j in range(1, bits.shape[-1]):
+        total |= bits[..., j] << (width * j)
+    return total
 
 
 def high_bits(fmt: WeightFormat) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from ifb.runtime.engine_format import EngineConfig, kv_pool_shape
 from ifb.runtime.step.backend import StepBackend, StepMode, make_step_backend
+from ifb.runtime.step.kv_pool import zeroed_pool
 from ifb.runtime.step.step_inputs import StepInputs
 
 
@@ -36,7 +37,7 @@ class Engine:
         self.backend: StepBackend = make_step_backend(config, mode)
         shape = kv_pool_shape(config.spec, config.limits)
         # In the engine's kv_dtype: the compiled step was exported with pools of that dtype.
-        self.kv_cache = torch.zeros(shape, dtype=getattr(torch, config.kv_dtype), device=self.backend.device)
+        self.kv_cache = zeroed_pool(shape, getattr(torch, config.kv_dtype), self.backend.device)
         self.kv_pools = kv_pool_views(self.kv_cache)
 
     @classmethod

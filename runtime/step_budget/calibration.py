@@ -5,6 +5,12 @@ start, on the executor's own engine and thread before its loop starts (runtime/l
 steps (few / all rows, short / long context), prefill-only chunks (small / full, at the start
 and deep into a prompt) and a mixed step. The KV it writes is garbage over blocks nobody owns
 yet, so it must run before any request does.
+
+The points touch at most `KV_CALIBRATION_BYTES` of the pool (whose pages become resident only
+where written, step/kv_pool.py): a build's memory must not grow with the KV pool it bakes in, and
+the pool of a full-size engine is gigabytes. A decode point whose rows would read more than that
+reads shorter contexts instead, each row its own blocks, so every timed KV read still comes from
+distinct memory; the fit is linear in context tokens and carries the slope to longer contexts.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from ifb.runtime.engine_format import kv_bytes_per_block
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
@@ -28,6 +35,10 @@ _MIN_REPEATS = 2
 _MAX_REPEATS = 25
 _POINT_BUDGET_S = 0.5
 _NOISY_FIT = 0.5  # worst relative error of the fit above which the log says so
+# 512 MiB: far past any last-level cache (32 MiB per EPYC CCD, 105 MiB on a Sapphire Rapids
+# socket), so context reads are timed from DRAM as when serving; well inside a build's budget of
+# the model's own bytes + 1.5 GB (a 1B Llama's fp32 pool for 8192 tokens alone is 512 MiB).
+KV_CALIBRATION_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +69,12 @@ def calibration_points(engine: Engine) -> list[CalibrationPoint]:
     deep = max(block, min(limits.max_seq_len // 2, limits.max_seq_len - tokens) // block * block)
     chunks = sorted({max(2, tokens // 8), max(2, tokens // 2), tokens})
     rows = sorted({1, max(1, batch // 4), batch})
-    points = [CalibrationPoint(num_decode_rows=d, decode_context=c) for d in rows for c in (short, deep)]
+    blocks = calibration_blocks(engine)
+    points = [
+        CalibrationPoint(num_decode_rows=d, decode_context=min(c, max(block, blocks // d * block)))
+        for d in rows
+        for c in (short, deep)
+    ]
     points += [CalibrationPoint(num_prefill_tokens=p) for p in chunks]
     points += [CalibrationPoint(num_prefill_tokens=p, prefill_start=deep) for p in chunks[:2]]
     mixed = max(2, tokens - batch)
@@ -66,16 +82,25 @@ def calibration_points(engine: Engine) -> list[CalibrationPoint]:
     return [p for p in points if p.prefill_start + p.num_prefill_tokens <= limits.max_seq_len]
 
 
+def calibration_blocks(engine: Engine) -> int:
+    """How many KV blocks calibration may write: the pool, up to KV_CALIBRATION_BYTES of it."""
+    config = engine.config
+    block_bytes = kv_bytes_per_block(config.spec, config.limits.block_size, config.kv_dtype)
+    return max(1, min(config.limits.num_kv_blocks, KV_CALIBRATION_BYTES // block_bytes))
+
+
 def _slices(engine: Engine, point: CalibrationPoint) -> list[RequestSlice]:
-    """Block ids wrap around the pool: distinct where it allows, so decodes read distinct KV."""
+    """Block ids wrap around the calibration's part of the pool: distinct where it allows, so
+    decodes read distinct KV."""
     limits = engine.config.limits
     vocab = engine.config.spec.vocab_size
+    blocks = calibration_blocks(engine)
     next_block = 0
 
     def table(num_tokens: int) -> list[int]:
         nonlocal next_block
         count = -(-num_tokens // limits.block_size)
-        ids = [(next_block + i) % limits.num_kv_blocks for i in range(count)]
+        ids = [(next_block + i) % blocks for i in range(count)]
         next_block += count
         return ids
 
