@@ -60,7 +60,10 @@ BLOCK = 16
 TREE_LAUNCHER = """
 import importlib.util, sys
 from pathlib import Path
-tree = Path(sys.argv[1]).resolve()
+import os
+# A spawned child (the builder compiles in one) runs this file again with the parent's sys.argv:
+# the tree comes to it through the environment.
+tree = Path(os.environ.setdefault("IFB_BENCH_TREE", str(Path(sys.argv[1]).resolve())))
 dirs = {"ifb": "ifb", "ifb.builder": "builder", "ifb.cli": "cli", "ifb.plugins": "plugins", "ifb.runtime": "runtime"}
 class TreeFinder:
     @classmethod
@@ -70,9 +73,10 @@ class TreeFinder:
             return importlib.util.spec_from_file_location(name, d / "__init__.py", submodule_search_locations=[str(d)])
         return None
 sys.meta_path.insert(0, TreeFinder)
-sys.argv = ["ifb", *sys.argv[2:]]
-from ifb.cli.main import cli
-cli()
+if __name__ == "__main__":  # not in a spawned child (the builder compiles in one), which imports this file
+    sys.argv = ["ifb", *sys.argv[2:]]
+    from ifb.cli.main import cli
+    cli()
 """
 
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",

@@ -16,10 +16,12 @@ import torch
 from ifb.builder.backends import Backend, compiler_for
 from ifb.builder.build_clock import BuildClock
 from ifb.builder.calibrate import calibrate_engine_folder
+from ifb.builder.compile_process import compile_in_child_process, refuse_in_spawned_bootstrap
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
 from ifb.builder.hf_config import model_spec_from_hf_config
 from ifb.builder.limits import KV_DTYPE_CHOICES, check_kv_dtype_option, resolve_kv_dtype, resolve_limits
+from ifb.builder.network_recipe import INV_FREQ, NetworkRecipe
 from ifb.builder.quant_weights import (
     COMPUTE_CHOICES,
     WEIGHT_CHOICES,
@@ -43,18 +45,15 @@ from ifb.runtime.engine_format import (
     EngineConfig,
     EngineLimits,
     EngineSource,
-    kv_pool_shape,
 )
-from ifb.runtime.engine_format.weights_file import TensorEntry, WeightsWriter, map_weights
+from ifb.runtime.engine_format.weights_file import TensorEntry, WeightsWriter
 from ifb.runtime.runtime_config import option
-from ifb.runtime.step.kv_pool import zeroed_pool
-from ifb.runtime.step.network import StepNetwork, attention_ops
+from ifb.runtime.step.network import StepNetwork
 
 logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights.safetensors"
-INV_FREQ = "rope.inv_freq"  # stored beside the network's state: the runtime rebuilds the rotary tables
 TOKENIZER_DIR = "tokenizer"
 BUILD_STAGES = ("read", "pack", "compile", "write", "calibrate")
 __all__ = [
@@ -153,9 +152,10 @@ def rope_tables(hf_config: Any, max_seq_len: int) -> tuple[torch.Tensor, float]:
 
 def _convert(
     metadata: SourceMetadata, limits: EngineLimits, dtype: str, options: BuildOptions, weights_path: Path
-) -> tuple[StepNetwork, float]:
-    """The network, its weights written to `weights_path` module by module from the mapped source
-    and then mapped back in: the build holds one module in flight, never a second whole copy."""
+) -> NetworkRecipe:
+    """Write the network's weights to `weights_path` module by module from the mapped source (the
+    build holds one module in flight, never a second whole copy) and return the recipe that
+    rebuilds the network over them."""
     spec = model_spec_from_hf_config(metadata.hf_config)
     inv_freq, rope_scaling = rope_tables(metadata.hf_config, limits.max_seq_len)
     tensors = open_tensors(metadata.source, spec)
@@ -163,31 +163,20 @@ def _convert(
     plan = plan_weights(tensors, options.weights if keeps_blocks or options.weights != "auto" else "fp32")
     compute = resolve_compute(options.compute, plan.has_blocks)
     warn_dequantized(plan, torch.finfo(getattr(torch, dtype)).bits // 8)
-    with torch.device("meta"):  # no fp32 allocation of modules that will hold blocks
-        network = StepNetwork(
-            spec,
-            inv_freq,
-            rope_scaling,
-            limits.max_seq_len,
-            limits.block_size,
-            # block weights bring the engine's kernel library (builder/backends.py), decode attention with it
-            ops=attention_ops(spec, reference=False, has_kernel_library=plan.has_blocks),
-            weight_formats=plan.formats,
-            weight_compute=compute.value,
-        )
-    network.set_rope(inv_freq, rope_scaling, limits.max_seq_len)
+    recipe = NetworkRecipe(
+        spec, inv_freq, rope_scaling, limits.max_seq_len, limits.block_size, plan.formats, compute.value
+    )
+    network = recipe.empty_network()
     writer = WeightsWriter(weights_path, stored_entries(network, getattr(torch, dtype), inv_freq))
     for name, tensor in network_state(tensors, plan, compute):
         writer.write(name, tensor)
     writer.write(INV_FREQ, inv_freq)
     try:
         writer.close()
-        state = map_weights(weights_path)
-        state.pop(INV_FREQ)
-        network.load_weights(state)
+        recipe.load(weights_path)  # every stored tensor is where the network expects it
     except ValueError as error:
         raise BuildError(str(error)) from error
-    return network.eval(), rope_scaling
+    return recipe
 
 
 def stored_entries(network: StepNetwork, dtype: torch.dtype, inv_freq: torch.Tensor) -> dict[str, TensorEntry]:
@@ -227,7 +216,7 @@ def build_engine(
     on_stage: Callable[[str], None] = lambda stage: None,
 ) -> BuildSummary:
     """Build an engine folder at `output` (atomically); see docs/design.md §5.4."""
-    compiler = compiler_for(options.backend)
+    refuse_in_spawned_bootstrap()
     check_kv_dtype_option(options.kv_dtype, options.backend)  # first: refuse an unusable option pair
     build_dtype(options)  # before any work (and before the tensorrt backend looks for a GPU)
     clock = BuildClock()
@@ -254,13 +243,12 @@ def build_engine(
     )
     with atomic_engine_folder(output) as folder:
         phase("pack")
-        network, rope_scaling = _convert(metadata, limits, dtype, options, folder / WEIGHTS_FILE)
+        recipe = _convert(metadata, limits, dtype, options, folder / WEIGHTS_FILE)
         phase("compile")
-        # The export's sample pools carry the pool dtype into the compiled step's input signature;
-        # export never writes them, so they take no resident memory (kv_pool.py).
-        kv_cache = zeroed_pool(kv_pool_shape(spec, limits), getattr(torch, kv_dtype))
-        compiled = compiler.compile(network, limits, kv_cache, folder)
-        del kv_cache
+        compiled, compile_peak = compile_in_child_process(
+            options.backend, recipe, folder / WEIGHTS_FILE, limits, kv_dtype, folder
+        )
+        clock.count_child(compile_peak)
         phase("write")
         metadata.tokenizer.save_pretrained(str(folder / TOKENIZER_DIR))
         clock.stop()
@@ -271,7 +259,7 @@ def build_engine(
             dtype=dtype,
             kv_dtype=kv_dtype,
             backend=options.backend,
-            rope_scaling=rope_scaling,
+            rope_scaling=recipe.rope_scaling,
             step_package=compiled.step_package,
             weights=WEIGHTS_FILE,
             tokenizer_folder=TOKENIZER_DIR,
@@ -283,11 +271,10 @@ def build_engine(
             build_info=_build_info(clock),
             tensorrt=compiled.tensorrt,
             kernels=compiled.kernels,
-            weight_formats=network.weight_formats,
-            weight_compute=network.weight_compute.value,
+            weight_formats=dict(recipe.weight_formats),
+            weight_compute=recipe.weight_compute,
             step_constants_external=compiled.constants_external,
         )
-        del network
         write_engine_json(folder, config)
         # Last, on the finished folder: it times the engine exactly as `ifb run` will load it.
         phase("calibrate")

@@ -3,7 +3,9 @@
 Peak memory is the process's high-water mark (VmHWM), reset at the start of each phase through
 /proc/self/clear_refs, so each phase reports its own peak rather than the build's so far; where
 /proc cannot be written (not Linux, no permission) the mark is not reset and each phase reports
-the peak up to its end. Compilers the phase runs as child processes are not counted.
+the peak up to its end. A phase that runs in a child process (compile: builder/compile_process.py)
+adds that process's own peak (`count_child`), as the two are resident together; the C++
+compiler's processes are not counted.
 """
 
 from __future__ import annotations
@@ -43,17 +45,23 @@ class BuildClock:
         self.peak_bytes: dict[str, int] = {}
         self._current: str | None = None
         self._since = self.started
+        self._child_bytes = 0
 
     def start(self, name: str) -> None:
         self.stop()
         self._current, self._since = name, time.perf_counter()
+        self._child_bytes = 0
         _reset_peak()
+
+    def count_child(self, peak_bytes: int) -> None:
+        """Add a child process's peak to the current phase's (the child ran inside the phase)."""
+        self._child_bytes += peak_bytes
 
     def stop(self) -> None:
         if self._current is None:
             return
         self.seconds[self._current] = round(time.perf_counter() - self._since, 2)
-        self.peak_bytes[self._current] = peak_rss_bytes()
+        self.peak_bytes[self._current] = peak_rss_bytes() + self._child_bytes
         self._current = None
 
     @property

@@ -22,12 +22,12 @@ from enum import Enum
 from typing import Any
 
 from ifb.runtime.errors import AdmissionError
+from ifb.runtime.parent_watch import exit_with_parent
 from ifb.runtime.unicode_text import require_unicode_strings
 
 COMPILE_TIMEOUT_S = 10.0
 CACHE_LIMIT_BYTES = 256 << 20
 COMPILE_WORKERS = 2  # compile processes: bounded concurrency, each with its own cache
-PARENT_POLL_S = 0.5  # how often a compile worker checks that the server that started it is alive
 
 
 class GuideKind(str, Enum):
@@ -107,30 +107,11 @@ _worker_compiler: Any = None  # in a compile worker process: its own xgrammar co
 
 def _init_worker(tokenizer_info_json: str, parent_pid: int) -> None:
     global _worker_compiler
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     _worker_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """End this worker once the process that started it is gone, however it went (SIGKILL too).
-
-    A thread polls os.getppid() against the pid the parent passed in, rather than prctl's
-    PR_SET_PDEATHSIG: that fires when the parent *thread* that spawned the worker exits, and
-    ProcessPoolExecutor spawns from whichever thread submits (a caller's short-lived thread
-    would take the pool down with it); it is Linux-only too. Comparing with the passed-in pid
-    also catches a parent that died before this worker started, and reparenting to a subreaper
-    rather than init. xgrammar releases the GIL while it compiles, so the check runs mid-compile.
-    """
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
-        os._exit(0)  # nothing to flush: the worker's state is a cache
-
-    threading.Thread(target=watch, name="ifb-parent-watch", daemon=True).start()
 
 
 def _compile_in_worker(kind: str, spec: str) -> str:
