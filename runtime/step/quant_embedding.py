@@ -34,8 +34,10 @@ class QuantEmbedding(nn.Module):
         self._shared: list[QuantLinear] = [shared_head] if shared_head is not None else []
         self.compute = shared_head.compute if shared_head is not None else WeightCompute.FP32
         if shared_head is None:
-            self.packed: torch.Tensor
-            self.register_buffer("packed", torch.zeros(packed_shape(fmt, num_embeddings, dim), dtype=torch.uint8))
+            # a parameter, as QuantLinear.packed, so AOTInductor does not copy it
+            self.packed = nn.Parameter(
+                torch.zeros(packed_shape(fmt, num_embeddings, dim), dtype=torch.uint8), requires_grad=False
+            )
 
     def table(self) -> torch.Tensor:
         return self._shared[0].packed if self._shared else self.packed

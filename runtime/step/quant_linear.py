@@ -49,8 +49,12 @@ class QuantLinear(nn.Module):
             )
         self.fmt, self.in_features, self.out_features, self.compute = fmt, in_features, out_features, compute
         self._matmul = _MATMUL_OPS[compute]
-        self.packed: torch.Tensor
-        self.register_buffer("packed", torch.zeros(packed_shape(fmt, out_features, in_features), dtype=torch.uint8))
+        # A parameter, not a buffer: AOTInductor clones every buffer of the module it compiles as
+        # the buffer's initial value (compile_fx's _unlift_graph), a copy of every packed weight in
+        # the compiling process (9 GiB for an 8B build), and clones no parameter.
+        self.packed = nn.Parameter(
+            torch.zeros(packed_shape(fmt, out_features, in_features), dtype=torch.uint8), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
