@@ -1,10 +1,11 @@
 """The compile phase in a spawned process of its own.
 
-Export and AOTInductor keep the traced graph and their caches alive after they return: a 1B
-Llama build held 1.3 GiB more after its compile phase than before it (gc and malloc_trim freed
-nothing), so calibration, the build's last phase, started from 1.8 GiB and peaked at 2.6 GiB
-for a 0.62 GiB model. In a child process that memory goes when the child exits; the child maps
-the weights file the pack phase wrote (NetworkRecipe), so no weights are copied between the two.
+Whatever export and AOTInductor keep alive after they return stays in the process that ran them:
+a 1B Llama build held 1.3 GiB more after its compile phase than before it (gc and malloc_trim
+freed nothing; most of it turned out to be AOTInductor's clones of buffers, see
+QuantLinear.packed), so calibration, the build's last phase, started from 1.8 GiB and peaked at
+2.6 GiB for a 0.62 GiB model. In a child process that memory goes when the child exits; the child
+maps the weights file the pack phase wrote (NetworkRecipe), so no weights are copied between the two.
 The child ends with the builder, however the builder ends (runtime/parent_watch.py); a
 BuildError raised there is raised here.
 """
