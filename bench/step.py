@@ -84,6 +84,10 @@ def engine_times(engine: Engine, repeats: int) -> dict[str, float]:
     blocks = -(-(CONTEXT + 1) // bs)
     out = {}
     for batch in BATCHES:
+        if batch * blocks > engine.config.limits.num_kv_blocks:  # rows on distinct blocks, as in serving
+            print(f"decode_b{batch}: {batch} x {blocks} blocks exceed the engine's {engine.config.limits.num_kv_blocks}")
+            out[f"decode_b{batch}"] = math.nan
+            continue
         slices = [RequestSlice([5], CONTEXT, list(range(b * blocks, (b + 1) * blocks)), True) for b in range(batch)]
         inputs = build_step_inputs(slices, bs)
         out[f"decode_b{batch}"] = median_ms(lambda inputs=inputs: engine.step(inputs), repeats)

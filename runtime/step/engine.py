@@ -9,6 +9,7 @@ import torch
 
 from ifb.runtime.engine_format import EngineConfig, kv_pool_shape
 from ifb.runtime.step.backend import StepBackend, StepMode, make_step_backend
+from ifb.runtime.step.input_bounds import check_step_inputs
 from ifb.runtime.step.kv_pool import zeroed_pool
 from ifb.runtime.step.step_inputs import StepInputs
 
@@ -45,5 +46,7 @@ class Engine:
         return cls(EngineConfig.load(folder, verify=verify), mode)
 
     def step(self, inputs: StepInputs) -> torch.Tensor:
+        """Raises ValueError (and runs nothing) when `inputs` exceed the engine's limits."""
+        check_step_inputs(inputs, self.config.limits, self.config.spec.vocab_size)
         with torch.inference_mode():
             return self.backend(inputs, self.kv_pools)
