@@ -90,12 +90,7 @@ struct Block {
       }
       scale[0] = scale[1] = mul(d, to_float(sc));
       offset = mul(halves(base + 32), to_float(mn));
-      if constexpr (F == Format::kQ4_K) {
-        quants = base + 256 + 256 * sub;
-      } else {  // (qh, quants) per sub-block, so a tile is read front to back
-        high[0] = load_bytes(base + 256 + 320 * sub);
-        quants = base + 256 + 320 * sub + 64;
-      }
+      locate_k_quant_fields(base, sub);
     } else {
       static_assert(F == Format::kQ6_K, "Block<F>: a format of block_format_table.h without a decoder");
       for (int h = 0; h < 2; ++h) {
@@ -104,6 +99,30 @@ struct Block {
         high[h] = load_bytes(base + 288 + 384 * sub + 64 * h);
       }
       quants = base + 288 + 384 * sub + 128;
+    }
+  }
+
+  // Q4_K/Q5_K: the fields of sub-block b with its scale (d sc) and offset (dmin m) already decoded
+  // (by the full constructor, for an earlier row block): kernels that run many row blocks over
+  // the same tiles decode the 6-bit scales once, not once per row block.
+  static Block with_scales(const uint8_t* tile, int64_t b, V decoded_scale, V decoded_offset) {
+    static_assert(F == Format::kQ4_K || F == Format::kQ5_K, "with_scales: the K-quants with mins only");
+    Block block;
+    block.d = zero();  // unused once the scale is decoded
+    block.scale[0] = block.scale[1] = decoded_scale;
+    block.offset = decoded_offset;
+    constexpr int64_t kSubs = sub_blocks<F>();
+    block.locate_k_quant_fields(tile + (b / kSubs) * tile_block_bytes<F>(), static_cast<int>(b % kSubs));
+    return block;
+  }
+
+  // Q4_K/Q5_K: where sub-block `sub` of the super-block at `base` keeps its quants (and 5th bits).
+  inline void locate_k_quant_fields(const uint8_t* base, int sub) {
+    if constexpr (F == Format::kQ4_K) {
+      quants = base + 256 + 256 * sub;
+    } else if constexpr (F == Format::kQ5_K) {  // (qh, quants) per sub-block, so a tile is read front to back
+      high[0] = load_bytes(base + 256 + 320 * sub);
+      quants = base + 256 + 320 * sub + 64;
     }
   }
 
