@@ -78,7 +78,7 @@ class DraftRecord:
 class _Add:
     request: Request
     sink: Sink
-    compiled_grammar: Any = None  # xgrammar CompiledGrammar of a guided request
+    compiled_grammar: Any = None  # guided.CompiledGuide of a guided request
     grammar_compile_s: float = 0.0
 
 

@@ -5,6 +5,12 @@ each guided request gets its own matcher; in the step loop a guided row gets its
 an unguided row pays nothing. Compile errors, compile timeouts and strings that are not Unicode
 (a lone surrogate) are AdmissionErrors that name the request field, raised before the request
 takes a seat. Compile workers exit with the process that started them, however it ends.
+
+xgrammar matches UTF-8 at the byte level and treats U+D800..U+DFFF as characters: a negated class
+(a JSON string's `[^"\\\r\n]`) accepts their 3-byte encodings ED A0..BF xx, which are not UTF-8
+(RFC 3629) and decode to three U+FFFD each, so a string at its maxLength decodes two characters
+longer per surrogate (issue #23). Every other malformed sequence it already refuses (the tests
+probe each lead and second byte), so a guided request's matcher refuses exactly these bytes too.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -90,6 +97,121 @@ def _choice_grammar(spec: str) -> str:
     return f"root ::= {alternatives}"
 
 
+SURROGATE_LEAD = 0xED  # ED A0..BF xx is how U+D800..U+DFFF would be encoded; ED 80..9F xx is valid
+SURROGATE_SECOND = range(0xA0, 0xC0)
+_ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+@dataclass(frozen=True, slots=True)
+class SurrogateGuard:
+    """The tokens whose bytes would put an encoded surrogate in a guided output: those holding
+    one whole (`anywhere`), and those starting with A0..BF after an output ending in byte ED
+    (`after_lead`). Masks are xgrammar bitmask rows (a clear bit bans the token), None when the
+    vocabulary has no such token."""
+
+    ends_in_lead: frozenset[int]
+    empty: frozenset[int]  # special tokens and padding: they leave the output's last byte as it was
+    anywhere: frozenset[int]
+    after_lead: frozenset[int]
+    anywhere_mask: Any
+    after_lead_mask: Any
+
+    @classmethod
+    def from_vocab(cls, decoded_vocab: list[bytes], vocab_size: int) -> SurrogateGuard:
+        ends_in_lead: set[int] = set()
+        empty = set(range(len(decoded_vocab), vocab_size))
+        anywhere: set[int] = set()
+        after_lead: set[int] = set()
+        for token, data in enumerate(decoded_vocab[:vocab_size]):
+            if not data:
+                empty.add(token)
+                continue
+            if data[-1] == SURROGATE_LEAD:
+                ends_in_lead.add(token)
+            if _ENCODED_SURROGATE.search(data):
+                anywhere.add(token)
+                after_lead.add(token)
+            elif data[0] in SURROGATE_SECOND:
+                after_lead.add(token)
+        return cls(
+            frozenset(ends_in_lead),
+            frozenset(empty),
+            frozenset(anywhere),
+            frozenset(after_lead),
+            _ban_mask(anywhere, vocab_size),
+            _ban_mask(after_lead, vocab_size),
+        )
+
+    def allows(self, token: int, after_lead: bool) -> bool:
+        return token not in (self.after_lead if after_lead else self.anywhere)
+
+    def leaves_lead(self, token: int, after_lead: bool) -> bool:
+        """Whether the output ends in byte ED once `token` is appended to it."""
+        return token in self.ends_in_lead or (after_lead and token in self.empty)
+
+    def restrict(self, row: Any, after_lead: bool) -> None:
+        """Clear the banned tokens' bits in one xgrammar bitmask row, in place."""
+        mask = self.after_lead_mask if after_lead else self.anywhere_mask
+        if mask is not None:
+            row &= mask
+
+
+def _ban_mask(tokens: set[int], vocab_size: int) -> Any:
+    """An xgrammar bitmask row (int32 words, bit i of word w for token 32w+i) with `tokens` clear."""
+    if not tokens:
+        return None
+    import numpy as np
+    import torch
+
+    allowed = np.ones((vocab_size + 31) // 32 * 32, dtype=bool)
+    allowed[np.fromiter(tokens, dtype=np.int64, count=len(tokens))] = False
+    words = np.packbits(allowed, bitorder="little").view("<i4").astype(np.int32)
+    return torch.from_numpy(words)
+
+
+class GuidedMatcher:
+    """A guided request's xgrammar GrammarMatcher that also refuses encoded surrogates (see the
+    module docstring): its masks never offer such a token and `accept_token` refuses one, so the
+    output is UTF-8 and a string's length in the grammar is its length once decoded."""
+
+    def __init__(self, compiled: Any, guard: SurrogateGuard) -> None:
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._guard = guard
+        self._after_lead = [False]  # per accepted token (and the start): output ends in byte ED
+
+    def accept_token(self, token: int) -> bool:
+        after_lead = self._after_lead[-1]
+        if not self._guard.allows(token, after_lead) or not self._matcher.accept_token(token):
+            return False
+        self._after_lead.append(self._guard.leaves_lead(token, after_lead))
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+        del self._after_lead[len(self._after_lead) - num_tokens :]
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, index)
+        self._guard.restrict(bitmask[index], self._after_lead[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGuide:
+    """A compiled constraint and the vocabulary's surrogate guard: what a guided request's
+    matcher is made from."""
+
+    grammar: Any  # xgrammar CompiledGrammar
+    guard: SurrogateGuard
+
+    def matcher(self) -> GuidedMatcher:
+        return GuidedMatcher(self.grammar, self.guard)
+
+
 def _compile_with(compiler: Any, kind: GuideKind, spec: str) -> Any:
     if kind is GuideKind.JSON_SCHEMA:
         return compiler.compile_json_schema(spec, any_whitespace=False)
@@ -136,6 +258,7 @@ class GrammarCompiler:
 
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._info_json = self._info.serialize_json()
+        self._guard = SurrogateGuard.from_vocab(self._info.decoded_vocab, vocab_size)
         self._lock = threading.Lock()
         self._pool = self._start_pool()
         self.vocab_size = vocab_size
@@ -158,8 +281,8 @@ class GrammarCompiler:
             _stop_workers(broken)
             self._pool = self._start_pool()
 
-    def compile(self, guide: GuidedDecoding, timeout_s: float = COMPILE_TIMEOUT_S) -> tuple[Any, float]:
-        """(xgrammar CompiledGrammar, seconds it took); AdmissionError naming the field on any
+    def compile(self, guide: GuidedDecoding, timeout_s: float = COMPILE_TIMEOUT_S) -> tuple[CompiledGuide, float]:
+        """(the compiled constraint, seconds it took); AdmissionError naming the field on any
         failure. Cached per distinct constraint by each worker; matchers are made by the executor."""
         import xgrammar as xgr
 
@@ -186,7 +309,7 @@ class GrammarCompiler:
                     f"{guide.field}: invalid {guide.kind.value}: {message}", field=guide.field
                 ) from None
         compiled = xgr.CompiledGrammar.deserialize_json(text, self._info)
-        return compiled, time.perf_counter() - start
+        return CompiledGuide(compiled, self._guard), time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the workers now, a compile in progress included (its request is going away)."""

@@ -4,25 +4,21 @@ torch-free Request (the scheduling side never imports torch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from ifb.runtime.guided import CompiledGuide, GuidedMatcher
 from ifb.runtime.request import Request
 
 
 @dataclass(slots=True)
 class SamplingState:
     generator: torch.Generator | None = None  # seeded requests draw their noise from their own
-    grammar_matcher: Any = None  # xgrammar GrammarMatcher of a guided request
+    grammar_matcher: GuidedMatcher | None = None  # a guided request's
 
     @classmethod
-    def create(cls, seed: int | None, compiled_grammar: Any) -> SamplingState:
-        matcher = None
-        if compiled_grammar is not None:
-            import xgrammar as xgr
-
-            matcher = xgr.GrammarMatcher(compiled_grammar)
+    def create(cls, seed: int | None, compiled_grammar: CompiledGuide | None) -> SamplingState:
+        matcher = compiled_grammar.matcher() if compiled_grammar is not None else None
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         return cls(generator, matcher)
 
