@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/quant_kernels.py [--model smollm2|llama1b] [--threads 2] [--repeats 5]
         [--bandwidth-gbs 36] [--isa avx2] [--rows 1 32] [--cpu-time]
+    .venv/bin/python bench/quant_kernels.py --per-format [--threads 2]   # each int8 format alone
 
 Runs every linear of one model step with distinct weights per layer, so weights stream from
 memory as in a real step, and prints the ms of our exact kernel (fp32 activations), of the
@@ -125,6 +126,32 @@ def run_step(linears: list[Linear], inputs: dict[int, torch.Tensor], kernel: str
             F.linear(x, lin.dense)
 
 
+STREAM_CASES = (
+    (WeightFormat.Q4_K, 8192, 2048),
+    (WeightFormat.Q6_K, 2048, 8192),
+    (WeightFormat.Q4_0, 8192, 2048),
+    (WeightFormat.Q5_0, 2048, 8192),
+    (WeightFormat.Q8_0, 2048, 8192),
+)
+
+
+def per_format(threads: int, repeats: int) -> None:
+    """`--per-format`: each format's int8 kernel alone at M = 1, its matrices streamed from memory
+    (six distinct ones of a 1B layer's shape in turn), against torch's sum over 512 MB (the read
+    rate the same threads reach), and at M = 512 (G int8 ops/s, matrices in cache)."""
+    buffer = torch.ones(128 << 20)
+    read_gbs = buffer.numel() * 4 / (median_ms(buffer.sum, repeats) / 1e3) / 1e9
+    print(f"threads {threads}: torch sum of 512 MB reads {read_gbs:.1f} GB/s")
+    print(f"{'format':>7} {'n x k':>11} {'M=1 GB/s':>9} {'of read':>8} {'M=512 G ops/s':>14}")
+    for fmt, n, k in STREAM_CASES:
+        linears = [random_linear(n, k, fmt, seed=seed) for seed in range(6)]
+        stream_ms = median_ms(partial(run_step, linears, {k: torch.randn(1, k)}, "int8"), repeats)
+        gbs = block_bytes_read(linears) / (stream_ms / 1e3) / 1e9
+        prefill_ms = median_ms(partial(run_step, linears[:1], {k: torch.randn(512, k)}, "int8"), max(2, repeats // 2))
+        ops = 2 * 512 * n * k / (prefill_ms / 1e3) / 1e9
+        print(f"{fmt.value:>7} {f'{n}x{k}':>11} {gbs:>9.1f} {gbs / read_gbs:>8.0%} {ops:>14.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(ROWS), default="smollm2")
@@ -137,12 +164,21 @@ def main() -> None:
         help="time by process CPU time: with --threads 1 on a shared machine, what the kernel costs when it runs",
     )
     parser.add_argument("--rows", type=int, nargs="+", help="default: the model's M list")
+    parser.add_argument(
+        "--per-format",
+        action="store_true",
+        help="each format's int8 kernel alone: M=1 GB/s vs torch's read rate, M=512",
+    )
     parser.add_argument("--isa", choices=[isa.value for isa in QuantIsa], help="default: the best this CPU runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         library = build_quant_library(Path(scratch), QuantIsa(args.isa) if args.isa else None)
         isa = load_quant_library(library.path, library.required_features)
+    if args.per_format:
+        print(f"ISA path {isa}")
+        per_format(args.threads, args.repeats)
+        return
     linears = smollm2_linears() if args.model == "smollm2" else llama1b_linears()
     has_dense = all(lin.dense is not None for lin in linears)
     formats = sorted({lin.fmt.value for lin in linears})

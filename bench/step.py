@@ -85,7 +85,9 @@ def engine_times(engine: Engine, repeats: int) -> dict[str, float]:
     out = {}
     for batch in BATCHES:
         if batch * blocks > engine.config.limits.num_kv_blocks:  # rows on distinct blocks, as in serving
-            print(f"decode_b{batch}: {batch} x {blocks} blocks exceed the engine's {engine.config.limits.num_kv_blocks}")
+            print(
+                f"decode_b{batch}: {batch} x {blocks} blocks exceed the engine's {engine.config.limits.num_kv_blocks}"
+            )
             out[f"decode_b{batch}"] = math.nan
             continue
         slices = [RequestSlice([5], CONTEXT, list(range(b * blocks, (b + 1) * blocks)), True) for b in range(batch)]

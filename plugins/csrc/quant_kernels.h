@@ -35,6 +35,10 @@ constexpr const FormatInfo& format_info(Format format) { return kFormats[static_
 
 constexpr int64_t kTileColumns = 16;  // output columns per packed tile (one AVX-512 register)
 constexpr int64_t kBlockSize = 32;    // weights per (sub-)block the kernels step through along K
+// Column tiles the int8 kernel walks as one group (every row block over them before the next
+// group), and the unit the binding hands out to threads: a split inside a group would cut a
+// register block of several tiles into single tiles.
+constexpr int64_t kGroupTiles = 4;
 
 // One y[M,N] = x[M,K] @ W[N,K]^T problem over tile-packed weights (see quant_ops.py).
 struct Problem {

@@ -36,12 +36,23 @@ namespace {
 
 #if defined(IFB_SIMD16_AVX512)
 // Rows per register block: R x T tiles of fp32 and int32 accumulators plus the tiles' weights.
-// One or two rows cannot hide the weights' load and unpack, so they take more tiles at once.
+// Two rows cannot hide the weights' load and unpack, so they take more tiles at once. One row
+// (decode) is memory-bound: there, nibble-only formats read best one tile at a time, i.e. the
+// packed matrix front to back in one stream (Q4_K 8192x2048 from DRAM, two processes: 44-54 GB/s
+// against 28-32 with four tiles at once; a 1B Q4_K_M decode step 26.2 -> 25.2 ms, medians of
+// eight alternated runs); formats with high bits (Q5_*, Q6_K) need more work per byte, and one tile
+// at a time left them short of the memory (Q6_K 2048x8192: 29-32 GB/s against 36-47).
 constexpr int kRows = 4;
-constexpr int tiles_for(int rows) { return rows <= 2 ? 4 : 2; }
+template <Format F>
+constexpr int tiles_for(int rows) {
+  return rows == 1 ? (high_bits<F>() == 0 ? 1 : 4) : rows == 2 ? 4 : 2;
+}
 #else
 constexpr int kRows = 2;
-constexpr int tiles_for(int rows) { return rows == 1 ? 2 : 1; }
+template <Format F>
+constexpr int tiles_for(int rows) {
+  return rows == 1 ? 2 : 1;
+}
 #endif
 
 // The integer accumulator's start for a block whose activations sum to `sum_x`: it folds the
@@ -168,9 +179,8 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scal
   }
 }
 
-// Tiles are walked in groups of kGroupTiles (their weights stay in L1 while every row block
-// reads them); within a group each row block takes tiles_for(rows) tiles per call.
-constexpr int kGroupTiles = 4;
+// Tiles are walked in groups of kGroupTiles (quant_kernels.h; their weights stay in L2 while
+// every row block reads them); within a group each row block takes tiles_for<F>(rows) tiles per call.
 // From this many rows a group's Q4_K/Q5_K scales are decoded once into a buffer and every row
 // block loads them: decoding is ~12 vector ops per tile and sub-block, which a 4-row block
 // otherwise repeats for its 64 dot instructions (Q4_K 4096x2048, one core: +11% at 512 rows,
@@ -179,7 +189,7 @@ constexpr int64_t kScaleCacheRows = 2 * kRows;
 
 template <Format F, int R>
 void row_block(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0, const V* scales) {
-  constexpr int T = tiles_for(R);
+  constexpr int T = tiles_for<F>(R);
   const int64_t per_tile = 2 * (p.k / kBlockSize);
   const auto at = [&](int64_t tile) { return scales == nullptr ? nullptr : scales + (tile - tile0) * per_tile; };
   int64_t tile = tile0;

@@ -31,7 +31,12 @@ def check_step_inputs(inputs: StepInputs, limits: EngineLimits, vocab_size: int)
     bounded = (
         ("input_ids", inputs.input_ids, vocab_size, "vocab_size"),
         ("positions", inputs.positions, limits.max_seq_len, "max_seq_len"),
-        ("slot_mapping", inputs.slot_mapping, limits.kv_pool_tokens, "the KV pool's slots (num_kv_blocks * block_size)"),
+        (
+            "slot_mapping",
+            inputs.slot_mapping,
+            limits.kv_pool_tokens,
+            "the KV pool's slots (num_kv_blocks * block_size)",
+        ),
         ("context_block_tables", inputs.context_block_tables, limits.num_kv_blocks, "num_kv_blocks"),
         ("decode_block_tables", inputs.decode_block_tables, limits.num_kv_blocks, "num_kv_blocks"),
         ("decode_seq_lens", inputs.decode_seq_lens - 1, limits.max_seq_len, "max_seq_len"),
