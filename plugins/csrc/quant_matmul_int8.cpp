@@ -38,7 +38,7 @@ namespace {
 // Rows per register block: R x T tiles of fp32 and int32 accumulators plus the tiles' weights.
 // Two rows cannot hide the weights' load and unpack, so they take more tiles at once. One row
 // (decode) is memory-bound: there, nibble-only formats read best one tile at a time, i.e. the
-// packed matrix front to back in one stream (Q4_K 8192x2048 from DRAM, two processes: 44-54 GB/s
+// packed matrix front to back in one stream (Q4_K 8192x2048 from DRAM, two processes: 44-62 GB/s
 // against 28-32 with four tiles at once; a 1B Q4_K_M decode step 26.2 -> 25.2 ms, medians of
 // eight alternated runs); formats with high bits (Q5_*, Q6_K) need more work per byte, and one tile
 // at a time left them short of the memory (Q6_K 2048x8192: 29-32 GB/s against 36-47).
@@ -185,6 +185,7 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scal
 
 // Tiles are walked in groups of kGroupTiles (quant_kernels.h; their weights stay in L2 while
 // every row block reads them); within a group each row block takes tiles_for<F>(rows) tiles per call.
+//
 // From this many rows a group's Q4_K/Q5_K scales are decoded once into a buffer and every row
 // block loads them: decoding is ~12 vector ops per tile and sub-block, which a 4-row block
 // otherwise repeats for its 64 dot instructions (Q4_K 4096x2048, one core: +11% at 512 rows,
