@@ -51,12 +51,3 @@ def test_each_bound_names_its_limit(engine: Engine, field: str, value: int, limi
     bad = dataclasses.replace(inputs, **{field: torch.full_like(getattr(inputs, field), value)})
     with pytest.raises(ValueError, match=f"{field} holds {value}.*{limit}"):
         engine.step(bad)
-
-
-def test_more_tokens_than_max_num_tokens_are_refused(engine: Engine) -> None:
-    limits = engine.config.limits
-    tokens = limits.max_num_tokens + 1
-    table = list(range(-(-tokens // limits.block_size)))
-    inputs = build_step_inputs([RequestSlice([7] * tokens, 0, table, True)], limits.block_size)
-    with pytest.raises(ValueError, match="max_num_tokens"):
-        engine.step(inputs)
