@@ -93,7 +93,10 @@ def _spec_strings(kind: GuideKind, spec: str) -> Any:
 
 
 def _choice_grammar(spec: str) -> str:
-    alternatives = " | ".join(json.dumps(choice) for choice in json.loads(spec))
+    # ensure_ascii=False: an ASCII literal spells a character past U+FFFF as a surrogate pair
+    # (\ud800\udc00), which xgrammar's EBNF reads as two code points and matches as their 3-byte
+    # would-be encodings (CESU-8, not UTF-8), which the surrogate guard then refuses.
+    alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec))
     return f"root ::= {alternatives}"
 
 

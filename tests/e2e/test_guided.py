@@ -163,3 +163,18 @@ def test_a_compile_past_its_timeout_is_cancelled(llm: LLM) -> None:
         assert not worker.is_alive()
     compiled, _ = compiler.compile(GuidedDecoding.choice(["again"]))
     assert compiled is not None
+
+
+def test_characters_past_the_bmp_are_generated_as_utf8(llm: LLM) -> None:
+    """A choice spelled in ASCII JSON turned U+10000 into a surrogate pair that xgrammar matched as
+    CESU-8 bytes (ED A0 80 ...), which the surrogate guard refuses: every request ended in error
+    (found by the fuzz test's guided_choice ['𐀀'])."""
+    for guide, text in (
+        (GuidedDecoding.choice(["\U00010000"]), "\U00010000"),
+        (GuidedDecoding.choice(["a\U0001f600b"]), "a\U0001f600b"),
+        (GuidedDecoding.json_schema(json.dumps({"enum": ["\U00010000"]})), '"\U00010000"'),
+        (GuidedDecoding.regex("\U0001f600+"), "\U0001f600"),
+    ):
+        out = llm.generate([[5, 6]], SamplingParams(max_tokens=12, seed=0, guided=guide))[0]
+        assert out.finish_reason is not FinishReason.ERROR, (guide, out.text)
+        assert out.text.startswith(text), (guide, out.text)
