@@ -6,7 +6,8 @@ loops; an id past the pool aborts the whole process from an inductor worker thre
 every other request with it. The scheduler never builds such inputs, but `Engine.step` is public
 (benchmarks, calibration, the draft engine), so an index outside the engine is a ValueError
 naming the limit.
-Each check is one reduction over a tensor of about the step's size: ~15 us a step.
+The nine checks (18 small reductions) cost 37 us a step, measured on this Zen 4 for 1 and 16 decode
+rows: 0.15% of a 1B decode step.
 """
 
 from __future__ import annotations
