@@ -240,7 +240,19 @@ def _known_call(value: Any, names: Collection[str], *argument_keys: str) -> Pars
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
     arguments: Any = next((value[k] for k in argument_keys if k in value), {})
-    return ParsedCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    if not isinstance(arguments, str):
+        return ParsedCall(value["name"], json.dumps(arguments))  # ASCII: escapes any lone surrogate
+    # A string the model escaped as "\ud800" decodes to a lone surrogate, which no UTF-8 reply can
+    # carry: such a reply stays text rather than failing the response.
+    return ParsedCall(value["name"], arguments) if _is_utf8(arguments) else None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _loads(text: str) -> Any:

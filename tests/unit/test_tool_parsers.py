@@ -75,6 +75,20 @@ def test_an_unknown_tool_or_broken_json_stays_text(kind: ToolCallParserKind, cas
     assert parse(kind, cases[kind]) == (cases[kind], [])
 
 
+# Arguments given as a JSON string that decodes to a lone surrogate (no UTF-8 reply can carry it).
+SURROGATE = {
+    HERMES: r'<tool_call>{"name": "get_weather", "arguments": "\ud800"}</tool_call>',
+    LLAMA3: r'{"name": "get_weather", "parameters": "\ud800"}',
+    MISTRAL: r'[TOOL_CALLS] [{"name": "get_weather", "arguments": "\ud800"}]',
+}
+
+
+@pytest.mark.parametrize("kind", list(ToolCallParserKind))
+def test_string_arguments_with_a_lone_surrogate_stay_text(kind: ToolCallParserKind) -> None:
+    """Before, the call came out and the reply failed to encode (a 500, or a broken stream)."""
+    assert parse(kind, SURROGATE[kind]) == (SURROGATE[kind], [])
+
+
 def test_a_bad_call_stays_text_beside_a_good_one() -> None:
     """Only the block that fails is kept as content; the valid call still comes out."""
     hermes = parse(HERMES, UNKNOWN[HERMES] + ONE[HERMES])
