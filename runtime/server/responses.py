@@ -3,7 +3,6 @@ and usage."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -167,7 +166,9 @@ class ChoiceStream:
 
 
 def sse(record: BaseModel, exclude_unset: bool = False) -> str:
-    return f"data: {json.dumps(record.model_dump(exclude_unset=exclude_unset))}\n\n"
+    # pydantic-core writes the JSON itself (compact, UTF-8): 1.9 us against 4.7 for model_dump then
+    # json.dumps, the larger part of a chunk's 10.6 us (bench/sse_chunk.py).
+    return f"data: {record.model_dump_json(exclude_unset=exclude_unset)}\n\n"
 
 
 def _entries(choice: Choice, outputs: list[RequestOutput]) -> list[TokenLogprob]:
