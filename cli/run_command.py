@@ -6,7 +6,6 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -38,7 +37,6 @@ RUN_OPTION_GROUPS = merge_groups(
     SERVING_OPTION_GROUPS,
     {
         "Model": ("threads",),
-        "Logging": ("trace",),
         "One-shot prompt (instead of serving)": ("prompt", "max_tokens", "temperature"),
     },
 )
@@ -93,7 +91,6 @@ def _serve(llm: LLM, server: ServerSettings, log_level: str) -> None:
 @click.option(
     "--threads", type=click.IntRange(min=1), default=None, help="Compute threads (default: as the environment says)."
 )
-@click.option("--trace", type=click.Path(path_type=Path), default=None, help="Write a Chrome trace of the steps.")
 @click.option("--prompt", default=None, help="Stream one answer to the terminal and exit.")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="With --prompt.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="With --prompt.")
@@ -116,12 +113,6 @@ def _load_and_run(
     target: str | None, params: Mapping[str, Any], settings: RuntimeSettings, server: ServerSettings, log_level: str
 ) -> None:
     llm = _load_llm(target, params, settings)
-    recorder = None
-    trace: Path | None = params["trace"]
-    if trace is not None:
-        from ifb.runtime.trace import TraceRecorder
-
-        recorder = TraceRecorder.attach(llm.executor)
     try:
         if params["prompt"] is not None:
             _stream_prompt(llm, params["prompt"], params["max_tokens"], params["temperature"])
@@ -129,8 +120,6 @@ def _load_and_run(
         _serve(llm, server, log_level)
     finally:
         llm.close()
-        if recorder is not None and trace is not None:
-            recorder.write(trace)
 
 
 def _load_llm(target: str | None, params: Mapping[str, Any], settings: RuntimeSettings) -> LLM:

@@ -43,7 +43,7 @@ SERVING_OPTION_GROUPS = {
         "reasoning_parser",
         "tool_call_parser",
     ),
-    "Logging": ("log_level", "log_format"),
+    "Logging": ("log_level", "log_format", "trace"),
 }
 
 serving_options = stack(

@@ -40,6 +40,7 @@ from ifb.runtime.speculation.factory import make_speculation
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step_budget.budgets import FixedBudget, StepBudget, make_step_budget
 from ifb.runtime.step_budget.cost_model import StepCostModel
+from ifb.runtime.trace import TraceRecorder
 
 
 class LLM(FrontendClient):
@@ -53,6 +54,7 @@ class LLM(FrontendClient):
         self.metrics = Metrics(self.executor)
         self._drain = DrainRate()
         self.executor.finish_listeners.append(lambda request: self._drain.record_finish())
+        self._trace = TraceRecorder.attach(self.executor) if self.settings.trace is not None else None
         self.executor.start()
         # A script that never calls close() used to end in SIGABRT ("terminate called without an
         # active exception", exit 134): the interpreter tore down native thread pools under the
@@ -221,6 +223,9 @@ class LLM(FrontendClient):
 
     def close(self) -> None:
         self.executor.shutdown()
+        if self._trace is not None and self.settings.trace is not None:
+            self._trace.write(Path(self.settings.trace))
+            self._trace = None  # written once, however often close is called
         super().close()
         gc.unfreeze()  # what this engine held can be collected again (and is, at exit: no leak reports)
 

@@ -100,6 +100,11 @@ class RuntimeSettings:
         "Re-measure the step cost model on this machine at start (a few seconds) instead of using the one "
         "ifb build recorded in engine.json.",
     )
+    trace: str | None = option(
+        None,
+        "Write a Chrome trace of the steps and requests to FILE when the engine closes (open it in Perfetto or "
+        "chrome://tracing); each ifb serve replica writes its own, FILE's name with -REPLICA added.",
+    )
     speculative: SpeculativeMethod = option(
         SpeculativeMethod.OFF,
         "Speculative decoding: ngram drafts a decoding request's next tokens from its own prompt and output "

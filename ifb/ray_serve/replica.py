@@ -13,7 +13,8 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from ifb.ray_serve.report import ReplicaReport
@@ -50,6 +51,14 @@ class Delta:
     output: RequestOutput
 
 
+def replica_settings(settings: RuntimeSettings, replica: str) -> RuntimeSettings:
+    """A replica's own settings: its trace file is `--trace`'s name with -REPLICA added."""
+    if settings.trace is None:
+        return settings
+    path = Path(settings.trace)
+    return replace(settings, trace=str(path.with_name(f"{path.stem}-{replica}{path.suffix}")))
+
+
 class IfbReplica:
     """Wrapped by `serve.deployment` in deploy.py; Serve calls `record_routing_stats` every
     request_routing_stats_period_s and hands the result to the ingress's router."""
@@ -60,8 +69,8 @@ class IfbReplica:
         from ifb.runtime.llm import LLM
 
         set_compute_threads(threads)
-        self.llm = LLM(engine, settings)
         self.replica = serve.get_replica_context().replica_id.unique_id
+        self.llm = LLM(engine, replica_settings(settings, self.replica))
         logger.info("replica %s serving %s (pid %d)", self.replica, self.llm.model_name, os.getpid())
 
     async def generate(self, jobs: Sequence[Job], avoid: Sequence[str] = ()) -> AsyncIterator[Opened | Refused | Delta]:

@@ -305,3 +305,30 @@ def test_what_the_engine_loaded_is_frozen_out_of_the_cyclic_collector(tiny_llama
     with LLM(tiny_llama_engine) as llm:
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids
         assert gc.get_freeze_count() > 10_000  # the torch, tokenizer and engine objects loaded so far
+
+
+def test_trace_setting_writes_the_steps_and_requests_when_the_llm_closes(
+    tiny_llama_engine: Path, tmp_path: Path
+) -> None:
+    """`trace` is a RuntimeSettings field, so `ifb run`, `ifb serve` (per replica) and LLM(...) share it."""
+    import json
+
+    trace = tmp_path / "steps.json"
+    llm = LLM(tiny_llama_engine, trace=str(trace))
+    outputs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4))
+    assert not trace.exists()  # written when the engine stops, with every step in it
+    llm.close()
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = [e for e in events if e["name"] == "step"]
+    assert sum(step["args"]["tokens"] for step in steps) == 5 + 2 * 3  # both prompts, then 3 decodes each
+    requests = {e["name"]: e["args"] for e in events if e["pid"] == 1 and e["ph"] == "X"}
+    assert [requests[o.request_id]["output_tokens"] for o in outputs] == [4, 4]
+    llm.close()  # a second close writes nothing again and does not fail
+
+
+def test_each_replica_traces_to_its_own_file() -> None:
+    from ifb.ray_serve.replica import replica_settings
+    from ifb.runtime.runtime_config import RuntimeSettings
+
+    assert replica_settings(RuntimeSettings(), "r1").trace is None
+    assert replica_settings(RuntimeSettings(trace="/tmp/run/steps.json"), "abc").trace == "/tmp/run/steps-abc.json"

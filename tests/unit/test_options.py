@@ -20,9 +20,9 @@ from ifb.runtime.engine_format import BuildOptionsRecord
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.runtime_config import RuntimeSettings, ServeOptions, ServerSettings, check_minimums
 
-# `ifb run` only: the one-shot prompt, and the trace (a replica records none); a replica's
-# threads are serve's --threads (an alias of --threads-per-replica).
-RUN_ONLY = {"prompt", "max_tokens", "temperature", "trace", "threads"}
+# `ifb run` only: the one-shot prompt; a replica's threads are serve's --threads (an alias of
+# --threads-per-replica).
+RUN_ONLY = {"prompt", "max_tokens", "temperature", "threads"}
 
 
 def options_of(command: click.Command) -> dict[str, click.Option]:
