@@ -14,13 +14,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from ifb.runtime.admission import check_prompt
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GrammarCompiler
+from ifb.runtime.reasoning import THINK_CLOSE, THINK_OPEN
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.runtime_config import RuntimeConfig
 from ifb.runtime.sampling_params import SamplingParams
@@ -110,6 +112,8 @@ class Frontend:
         )
         room = limits.max_seq_len - len(prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
+        if params.reasoning_budget is not None:
+            params = replace(params, reasoning_budget=params.reasoning_budget.with_tags(*self.think_tags))
         compiled, seconds = (None, 0.0)
         if params.guided is not None:
             compiled, seconds = self.grammar_compiler().compile(params.guided)
@@ -123,6 +127,12 @@ class Frontend:
             eos_token_ids=self.eos_token_ids,
         )
         return PreparedRequest(request, compiled, seconds)
+
+    @cached_property
+    def think_tags(self) -> tuple[list[int], list[int]]:
+        """`<think>` and `</think>` as this tokenizer encodes each alone (a reasoning budget's tags)."""
+        encode = self.tokenizer.encode
+        return encode(THINK_OPEN, add_special_tokens=False), encode(THINK_CLOSE, add_special_tokens=False)
 
     def close(self) -> None:
         with self._grammar_lock:

@@ -108,6 +108,10 @@ class ReasoningParser(Protocol):
         is grammar-constrained, so it starts outside any think block."""
         ...
 
+    def starts_inside(self, prompt_tail: str, guided: bool) -> bool | None:
+        """Whether such a reply starts inside a think block; None: this parser reads no blocks."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class NoReasoning:
@@ -119,6 +123,9 @@ class NoReasoning:
 
     def stream(self, prompt_tail: str, guided: bool) -> ReasoningStream:
         return ReasoningStream(_State.CONTENT)
+
+    def starts_inside(self, prompt_tail: str, guided: bool) -> bool | None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +140,10 @@ class ThinkTags:
         return not self.template_opens
 
     def stream(self, prompt_tail: str, guided: bool) -> ReasoningStream:
-        inside = not guided and (self.template_opens or prompt_tail.rstrip().endswith(THINK_OPEN))
-        return ReasoningStream(_State.START, inside=inside)
+        return ReasoningStream(_State.START, inside=self.starts_inside(prompt_tail, guided))
+
+    def starts_inside(self, prompt_tail: str, guided: bool) -> bool:
+        return not guided and (self.template_opens or prompt_tail.rstrip().endswith(THINK_OPEN))
 
 
 def make_reasoning_parser(kind: ReasoningParserKind | None) -> ReasoningParser:

@@ -1,8 +1,8 @@
 """Sampler: per-request parameters applied to one batch of logits, vectorized over rows.
 
-Order: logit bias -> min_tokens EOS mask -> penalties -> guided bitmask -> temperature ->
-top-k / top-p / min-p -> sample. Seeded rows draw their noise from their own generator, so a
-seeded request samples the same tokens whatever else shares its batch.
+Order: logit bias -> min_tokens EOS mask -> penalties -> reasoning budget's forced close -> guided
+bitmask -> temperature -> top-k / top-p / min-p -> sample. Seeded rows draw their noise from their
+own generator, so a seeded request samples the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -78,6 +78,18 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
 
 
+def _force_think_closes(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Rows whose reasoning budget is spent take the next token of the closing tag."""
+    for index, row in enumerate(rows):
+        budget = row.request.params.reasoning_budget
+        if budget is None:
+            continue
+        forced = budget.forced_token(row.output_token_ids)
+        if forced is not None:
+            logits[index] = _NEG_INF
+            logits[index, forced] = 0.0
+
+
 class Sampler:
     """Turns [R, vocab] logits of R sampling requests into one token each."""
 
@@ -103,6 +115,7 @@ class Sampler:
             if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
         ]
         _apply_penalties(logits, penalized, rows)
+        _force_think_closes(logits, rows)  # before the grammar's mask: a conflict is the grammar's
         if bitmask is not None:
             guided_rows = [i for i, row in enumerate(rows) if row.state.grammar_matcher is not None]
             apply_bitmask(logits, bitmask, guided_rows)

@@ -8,6 +8,7 @@ from typing import Any
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
+from ifb.runtime.reasoning_budget import ReasoningBudget
 
 # Documented bounds of every field (README "Request limits"): past them a request is a 400.
 MAX_TOP_K = 1 << 20  # and never above the vocabulary (check_vocab)
@@ -53,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per token (0 = only the sampled token)
     cache_salt: str | None = None
     guided: GuidedDecoding | None = None  # JSON schema / regex / grammar / choice constraint
+    reasoning_budget: ReasoningBudget | None = None  # tokens a <think> block may hold (reasoning_budget.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +124,8 @@ class SamplingParams:
             f"a string of at most {MAX_CACHE_SALT_CHARS} characters",
             salt,
         )
+        if self.reasoning_budget is not None:
+            self.reasoning_budget.validate()
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary, and top_k cannot exceed it."""

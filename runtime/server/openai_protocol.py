@@ -231,6 +231,14 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (enable_thinking)
+    # Tokens the reply's <think> block may hold before "</think>" is forced (needs --reasoning-parser).
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
+    thinking_budget: int | None = Field(default=None, ge=0)  # the same, by Qwen's name
+
+    def reasoning_budget_tokens(self) -> int | None:
+        if self.max_reasoning_tokens is not None and self.thinking_budget is not None:
+            raise AdmissionError("give max_reasoning_tokens or thinking_budget, not both", field="thinking_budget")
+        return self.thinking_budget if self.max_reasoning_tokens is None else self.max_reasoning_tokens
 
     def logprobs_count(self) -> int | None:
         top = self.top_logprobs

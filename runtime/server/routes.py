@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, TypeAlias
 
 from fastapi import Request
@@ -15,6 +16,7 @@ from ifb import __version__
 from ifb.runtime.engine_client import EngineClient
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser
+from ifb.runtime.reasoning_budget import ReasoningBudget
 from ifb.runtime.server.errors import ModelNotFound, error_response
 from ifb.runtime.server.openai_protocol import (
     ChatCompletionRequest,
@@ -87,7 +89,8 @@ class Routes:
         prompt, tail = await self.engine.off_loop(
             _chat_prompt, self.engine, messages, tools.template_tools(), body.chat_template_kwargs, self.reasoning
         )
-        return await self.respond(raw, body, [prompt], chat=True, tools=tools, prompt_tail=tail)
+        budget = _reasoning_budget(body, self.reasoning, tail)
+        return await self.respond(raw, body, [prompt], chat=True, tools=tools, prompt_tail=tail, budget=budget)
 
     async def respond(
         self,
@@ -97,10 +100,12 @@ class Routes:
         chat: bool,
         tools: ToolPlan | None = None,
         prompt_tail: str = "",
+        budget: ReasoningBudget | None = None,
     ) -> Response:
-        """`prompt_tail`: the chat prompt's end as text, for a reasoning parser that reads it."""
+        """`prompt_tail`: the chat prompt's end as text, for a reasoning parser that reads it;
+        `budget`: every choice's reasoning budget."""
         choices = [
-            Choice(p_index * body.n + j, p_index, prompt, body.sampling_params(j))
+            Choice(p_index * body.n + j, p_index, prompt, replace(body.sampling_params(j), reasoning_budget=budget))
             for p_index, prompt in enumerate(prompts)
             for j in range(body.n)
         ]
@@ -177,6 +182,18 @@ def _completion_prompts(engine: EngineClient, prompt: str | list[str] | list[int
     if all(isinstance(p, int) for p in prompt):
         return [engine.tokenize(prompt)]  # type: ignore[arg-type]
     return [engine.tokenize(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def _reasoning_budget(body: ChatCompletionRequest, reasoning: ReasoningParser, tail: str) -> ReasoningBudget | None:
+    """The request's reasoning budget, where its reply starts as the reasoning parser reads it."""
+    tokens = body.reasoning_budget_tokens()
+    if tokens is None:
+        return None
+    inside = reasoning.starts_inside(tail, guided=body.guided() is not None)
+    if inside is None:
+        field = "max_reasoning_tokens" if body.max_reasoning_tokens is not None else "thinking_budget"
+        raise AdmissionError(f"{field} needs a reasoning parser (--reasoning-parser qwen3|deepseek_r1)", field=field)
+    return ReasoningBudget(tokens, inside)
 
 
 def _chat_prompt(

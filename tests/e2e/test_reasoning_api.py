@@ -108,3 +108,62 @@ def test_bad_chat_template_kwargs_are_a_400_naming_the_field(qwen3: str, kwargs:
     ):
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def test_a_reasoning_budget_closes_the_block_after_its_tokens(qwen3: str) -> None:
+    """The template opened <think>; with 3 tokens to think, the reply's reasoning is its first 3
+    tokens (as a 3-token reply shows), then the forced `</think>`, then content to max_tokens."""
+    first_three = chat(qwen3, max_tokens=3, **GREEDY).json()["choices"][0]["message"]
+    assert first_three["content"] is None
+    for name in ("max_reasoning_tokens", "thinking_budget"):
+        reply = chat(qwen3, max_tokens=24, **GREEDY, **{name: 3}).json()
+        message = reply["choices"][0]["message"]
+        assert message["reasoning_content"] == first_three["reasoning_content"]
+        assert message["content"] and reply["usage"]["completion_tokens"] == 24
+    unbounded = chat(qwen3, max_tokens=24, **GREEDY).json()["choices"][0]["message"]
+    assert unbounded["content"] is None  # without the budget the random model never closes it
+
+
+def test_a_streamed_reply_keeps_its_budget(qwen3: str) -> None:
+    client = openai.OpenAI(base_url=qwen3 + "/v1", api_key="none")
+    whole = chat(qwen3, max_tokens=16, max_reasoning_tokens=2, **GREEDY).json()["choices"][0]["message"]
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=HI,  # type: ignore[arg-type]
+        stream=True,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "max_reasoning_tokens": 2},
+    )
+    reasoning, content = "", ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (whole["reasoning_content"], whole["content"])
+
+
+def test_a_budget_of_zero_skips_thinking(qwen3: str) -> None:
+    message = chat(qwen3, max_tokens=8, max_reasoning_tokens=0, **GREEDY).json()["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"max_reasoning_tokens": -1}, "max_reasoning_tokens"),
+        ({"max_reasoning_tokens": 2, "thinking_budget": 2}, "thinking_budget"),
+    ],
+)
+def test_bad_budgets_are_a_400_naming_the_field(qwen3: str, body: dict[str, Any], field: str) -> None:
+    response = chat(qwen3, max_tokens=4, **body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_a_budget_needs_a_reasoning_parser(llm: LLM) -> None:
+    with running_server(llm) as base:
+        response = chat(base, max_tokens=4, thinking_budget=2)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "thinking_budget"
