@@ -74,6 +74,12 @@ _LIBRARY.define(
     "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
     "int block_size, float scale) -> Tensor"
 )
+# A separate op, not a new argument: an engine built before sliding windows ships a library that
+# implements the schema above, and must keep loading.
+_LIBRARY.define(
+    "paged_decode_attention_window(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
+    "int block_size, float scale, int window) -> Tensor"
+)
 _LIBRARY.define("quant_dequantize(Tensor packed, str format, int n, int k) -> Tensor")
 _LIBRARY.define("quant_embedding(Tensor ids, Tensor packed, str format, str compute, int n, int k) -> Tensor")
 
@@ -94,6 +100,12 @@ PAGED_DECODE_ATTENTION_SHIM = (
     "double scale, AtenTensorHandle* ret0)"
 )
 
+PAGED_DECODE_ATTENTION_WINDOW_SHIM = (
+    "AOTITorchError aoti_torch_cpu_paged_decode_attention_window(AtenTensorHandle q, AtenTensorHandle k_pool, "
+    "AtenTensorHandle v_pool, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, int64_t block_size, "
+    "double scale, int64_t window, AtenTensorHandle* ret0)"
+)
+
 
 def aoti_configs() -> dict[str, object]:
     """The inductor_configs entries that make AOTInductor call our ops through their C shims."""
@@ -101,6 +113,7 @@ def aoti_configs() -> dict[str, object]:
         torch.ops.ifb_quant.quant_matmul.default: [QUANT_MATMUL_SHIM],
         torch.ops.ifb_quant.quant_matmul_int8.default: [QUANT_MATMUL_INT8_SHIM],
         torch.ops.ifb_quant.paged_decode_attention.default: [PAGED_DECODE_ATTENTION_SHIM],
+        torch.ops.ifb_quant.paged_decode_attention_window.default: [PAGED_DECODE_ATTENTION_WINDOW_SHIM],
         torch.ops.ifb_quant.quant_embedding.default: [QUANT_EMBEDDING_SHIM],
     }
     return {"aot_inductor.custom_ops_to_c_shims": shims}
@@ -127,6 +140,20 @@ def _paged_decode_attention_fake(
     seq_lens: torch.Tensor,
     block_size: int,
     scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("ifb_quant::paged_decode_attention_window")
+def _paged_decode_attention_window_fake(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 

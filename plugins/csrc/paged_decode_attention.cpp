@@ -10,6 +10,8 @@
 // Every item is computed alone, in one fixed order, so a request's output is bitwise the same
 // whatever else is in the step and however the threads split the items (threads take whole items).
 // Pools may hold fp32, fp16 or bf16 (`--kv-dtype`); each element is widened to fp32 on load.
+// With a sliding window (Mistral, Phi-3) an item reads only its row's last `window` keys, in the
+// same order, so a row's result still depends on nothing but its own keys.
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -60,13 +62,19 @@ inline V load_kv(const T* p, KvType type) {
 template <typename T, int CH, int S>
 void attend_heads(const DecodeAttentionProblem& p, int64_t row, int64_t head0, std::vector<float>& scores) {
   const int64_t kv_head = head0 / (p.num_heads / p.num_kv_heads);
-  const int64_t length = p.seq_lens[row];
+  // keys [first, first + length): the row's last `window` keys, or all of them
+  const int64_t seq_len = p.seq_lens[row];
+  const int64_t first = p.window > 0 && seq_len > p.window ? seq_len - p.window : 0;
+  const int64_t length = seq_len - first;
   const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
   const int64_t* table = p.block_tables + row * p.table_stride;
   const int64_t slot_stride = p.num_kv_heads * p.head_dim;
   const T* k_base = static_cast<const T*>(p.k_pool) + kv_head * p.head_dim;
   const T* v_base = static_cast<const T*>(p.v_pool) + kv_head * p.head_dim;
-  auto slot = [&](int64_t position) { return table[position / p.block_size] * p.block_size + position % p.block_size; };
+  auto slot = [&](int64_t l) {
+    const int64_t position = first + l;
+    return table[position / p.block_size] * p.block_size + position % p.block_size;
+  };
   float* outs[S];
   for (int g = 0; g < S; ++g) outs[g] = p.out + (row * p.num_heads + head0 + g) * p.head_dim;
   if (length <= 0) {

@@ -136,6 +136,8 @@ struct DecodeAttentionProblem {
   int64_t block_size;
   float scale;
   float* out;  // [num_rows, num_heads, head_dim]
+  // Sliding window: a row of length L attends to keys [max(0, L - window), L); 0 = all L keys.
+  int64_t window = 0;
 };
 
 // Items [item_begin, item_end) of num_rows * num_kv_heads (row-major): each computed alone.

@@ -3,7 +3,7 @@
 Pins: for fp32, fp16 and bf16 pools, grouped heads, lengths from 1 to a full table and blocks
 scattered over the pool, the kernel's output is within fp32 rounding of `_decode_attention`
 over gathered K/V; a request's output is bitwise the same alone, in a batch, in another
-position, and with 1 or 2 threads; AVX2 and AVX-512 builds give the same bits; bad tables are
+position, and with 1 or 2 threads; a sliding window reads each row's last keys only; AVX2 and AVX-512 builds give the same bits; bad tables are
 refused instead of read out of bounds.
 """
 
@@ -81,6 +81,49 @@ def test_rows_are_bitwise_batch_invariant(kernel_library: QuantLibrary, threads:
             assert torch.equal(alone[0], together[row]), row
     finally:
         torch.set_num_threads(before)
+
+
+def windowed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, window: int
+) -> torch.Tensor:
+    return torch.ops.ifb_quant.paged_decode_attention_window(q, k, v, tables, lengths, BLOCK, 0.125, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_a_window_reads_only_each_rows_last_keys(kernel_library: QuantLibrary, dtype: torch.dtype, window: int) -> None:
+    """Sliding window (Mistral): a row of length L attends to keys [L - window, L), as the
+    compiled torch path masked to them; rows shorter than the window see all their keys, bitwise
+    as without a window; window 1 is the last key's value exactly."""
+    q, k_pool, v_pool, tables, lengths = case(9, 9, 3, 64, dtype, seed=window)
+    keys, values = _gather_blocks(k_pool, tables, BLOCK), _gather_blocks(v_pool, tables, BLOCK)
+    key_index = torch.arange(keys.shape[1])[None]
+    mask = (key_index < lengths[:, None]) & (key_index >= lengths[:, None] - window)
+    expected = _decode_attention(q, keys, values, mask, 0.125)
+    got = windowed(q, k_pool, v_pool, tables, lengths, window)
+    assert (got - expected).abs().max().item() < 2e-6
+    full = kernel(q, k_pool, v_pool, tables, lengths)
+    assert torch.equal(windowed(q, k_pool, v_pool, tables, lengths, 0), full)  # 0 = no window
+    for row in range(9):
+        if lengths[row] <= window:
+            assert torch.equal(got[row], full[row]), row
+        else:
+            assert not torch.allclose(got[row], full[row], atol=1e-3), row
+    if window == 1:
+        last = torch.stack(
+            [v_pool[tables[r, (n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK] for r, n in enumerate(lengths)]
+        )
+        assert torch.equal(got, last.float().repeat_interleave(3, dim=1))
+
+
+def test_windowed_rows_are_bitwise_batch_invariant(kernel_library: QuantLibrary) -> None:
+    q, k_pool, v_pool, tables, lengths = case(12, 9, 3, 64, torch.float32, seed=8)
+    together = windowed(q, k_pool, v_pool, tables, lengths, 20)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(windowed(q[order], k_pool, v_pool, tables[order], lengths[order], 20), together[order])
+    for row in range(12):
+        alone = windowed(q[row : row + 1], k_pool, v_pool, tables[row : row + 1], lengths[row : row + 1], 20)
+        assert torch.equal(alone[0], together[row]), row
 
 
 def test_out_of_pool_tables_and_lengths_are_refused(kernel_library: QuantLibrary) -> None:
