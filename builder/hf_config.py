@@ -17,6 +17,9 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "phi3": False,  # Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate_up, LongRoPE, partial rotary
 }
 QK_NORM_ARCHITECTURES = ("qwen3",)
+# transformers applies these configs' `sliding_window` on every layer (the network honours it);
+# Qwen2/Qwen3/SmolLM3 apply theirs on the layers `layer_types` names only (refused)
+WINDOW_ARCHITECTURES = ("mistral", "phi3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
@@ -45,9 +48,14 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
         )
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        if model_type in ("mistral", "smollm3"):
-            raise UnsupportedModelError(f"sliding-window attention ({model_type} sliding_window) is not supported")
+    sliding_layers = [
+        i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind == "sliding_attention"
+    ]
+    if sliding_layers and model_type not in WINDOW_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"sliding-window attention on layers {sliding_layers} only ({model_type} layer_types) is not supported; "
+            "only a window on every layer (Mistral, Phi-3)"
+        )
     num_heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     bias = SUPPORTED_ARCHITECTURES[model_type] or bool(getattr(config, "attention_bias", False))
@@ -73,9 +81,12 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
 
 
 def _sliding_window(config: Any) -> int | None:
-    """Phi-3's window (2047 for the 4k models): only an engine whose max_seq_len fits inside it
-    is built, where the window never cuts a row's keys (builder/limits.py checks)."""
-    window = getattr(config, "sliding_window", None) if config.model_type == "phi3" else None
+    """Mistral's and Phi-3's window (4096 for Mistral 7B v0.1, 2047 for Phi-3's 4k models, none
+    for later Mistrals): each query attends to its last `window` keys, on every layer, as
+    transformers' MistralModel and Phi3Model mask them."""
+    window = getattr(config, "sliding_window", None) if config.model_type in WINDOW_ARCHITECTURES else None
+    if window is not None and int(window) < 1:
+        raise UnsupportedModelError(f"{config.model_type} sliding_window must be >= 1, got {window}")
     return int(window) if window else None
 
 

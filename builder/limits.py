@@ -99,11 +99,6 @@ def resolve_limits(
             f"max_seq_len {max_seq_len} exceeds the model's position limit "
             f"max_position_embeddings={spec.max_position_embeddings}"
         )
-    if spec.sliding_window is not None and max_seq_len > spec.sliding_window:
-        raise LimitsError(
-            f"max_seq_len {max_seq_len} exceeds the model's sliding_window={spec.sliding_window}, and "
-            f"sliding-window attention is not supported yet; build with --max-seq-len {spec.sliding_window} or less"
-        )
     if max_num_tokens < max_batch_size:
         raise LimitsError(
             f"max_num_tokens {max_num_tokens} must be >= max_batch_size {max_batch_size} "

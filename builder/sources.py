@@ -171,6 +171,28 @@ def gguf_config(path: Path) -> Any:
         config.head_dim = int(key_length.contents())
     if architecture == "phi3":
         _phi3_rope(config, reader)
+    return _with_sliding_window(config, reader, architecture)
+
+
+_NOT_LLAMA_FIELDS = ("model_type", "architectures", "sliding_window")
+
+
+def _with_sliding_window(config: Any, reader: Any, architecture: str) -> Any:
+    """The window a GGUF declares in `{arch}.attention.sliding_window` (0 or absent: none), which
+    transformers' GGUF reader does not map. llama.cpp writes Mistral as arch `llama`, so a Llama
+    file that declares a window is read as the Mistral it is (transformers' own test, `mistral`
+    in general.name, compares a list with a string and never matches). A Phi-3 file's window
+    (Phi-3 4k: 2047) applies as the checkpoint's own does in transformers; llama.cpp ignores both."""
+    from transformers import MistralConfig
+
+    from ifb.builder.hf_config import WINDOW_ARCHITECTURES
+
+    field = reader.fields.get(f"{architecture}.attention.sliding_window")
+    window = int(field.contents()) if field is not None else 0
+    if config.model_type == "llama" and window:
+        config = MistralConfig(**{k: v for k, v in config.to_dict().items() if k not in _NOT_LLAMA_FIELDS})
+    if config.model_type in WINDOW_ARCHITECTURES:
+        config.sliding_window = window or None
     return config
 
 
@@ -199,13 +221,16 @@ def _phi3_rope(config: Any, reader: Any) -> None:
 
 def _load_gguf(source: ModelSource) -> LoadedModel:
     """GGUF -> dequantized fp32 weights via transformers' GGUF loader (it un-permutes Q/K)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from ifb.builder.hf_config import model_spec_from_hf_config
 
     folder, name = source.path.parent, source.path.name
     config = gguf_config(source.path)
     model_spec_from_hf_config(config)  # refuse unsupported architectures before dequantizing
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
+    load_config = config
+    if config.model_type == "mistral":  # transformers' GGUF loader maps no mistral tensors: as the Llama it is
+        load_config = LlamaConfig(**{k: v for k, v in config.to_dict().items() if k not in _NOT_LLAMA_FIELDS})
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=load_config, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return LoadedModel(source, config, dict(model.state_dict()), tokenizer)

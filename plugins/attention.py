@@ -7,6 +7,10 @@ is written so the compiler fuses the gather. With it (block-quantized engines) b
 the C++ kernel row by row, so a token's attention never depends on the step around it.
 The pools may be narrower than the step (`ifb build --kv-dtype fp16`): K/V are rounded to the
 pool's dtype when written and read back in fp32.
+
+`window` (Mistral's and Phi-3's sliding window, `ModelSpec.sliding_window`): a query at position
+i attends to key positions p with i - window < p <= i, as transformers' sliding_window_overlay
+(`kv_idx > q_idx - sliding_window`); None attends to every earlier key.
 """
 
 from __future__ import annotations
@@ -88,12 +92,16 @@ def _context_attention(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
+    window: int | None,
 ) -> None:
     rows = layout.context_query_rows
     keys = _gather_blocks(k_pool, layout.context_block_tables, block_size)
     values = _gather_blocks(v_pool, layout.context_block_tables, block_size)
     key_index = torch.arange(keys.shape[1], device=q.device)
-    mask = key_index[None, None, :] <= positions[rows][:, :, None]
+    query_positions = positions[rows][:, :, None]
+    mask = key_index[None, None, :] <= query_positions
+    if window is not None:
+        mask = mask & (key_index[None, None, :] > query_positions - window)
     context_out = _grouped_attention(q[rows], keys, values, mask, scale)
     out.index_copy_(0, rows.flatten(), context_out.flatten(0, 1))
 
@@ -107,6 +115,7 @@ def _context_attention_per_row(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
+    window: int | None,
 ) -> None:
     """The context path through the decode kernel: each query row is its own item, over its
     request's keys up to its own position.
@@ -122,10 +131,29 @@ def _context_attention_per_row(
     rows = layout.context_query_rows.flatten()
     queries_per_request = layout.context_query_rows.shape[1]
     tables = layout.context_block_tables[:, None, :].expand(-1, queries_per_request, -1).flatten(0, 1)
-    attended = torch.ops.ifb_quant.paged_decode_attention(
-        q[rows].float(), k_pool, v_pool, tables, positions[rows] + 1, block_size, scale
+    attended = _kernel_attention(
+        q[rows].float(), k_pool, v_pool, tables, positions[rows] + 1, block_size, scale, window
     )
     out.index_copy_(0, rows, attended.to(q.dtype))
+
+
+def _kernel_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """The decode kernel, windowed or not; an engine without a window calls the op it always
+    has, so its compiled graph is the one it was before windows existed."""
+    if window is None:
+        return torch.ops.ifb_quant.paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale)
+    return torch.ops.ifb_quant.paged_decode_attention_window(
+        q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, window
+    )
 
 
 def paged_attention(
@@ -136,18 +164,23 @@ def paged_attention(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every packed query over its own request's blocks.
+    """Causal attention of every packed query over its own request's blocks (the last `window`
+    of them only, with a sliding window).
 
     q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
     """
     out = torch.zeros_like(q)
-    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale)
+    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale, window)
     rows = layout.decode_query_rows
     keys = _gather_blocks(k_pool, layout.decode_block_tables, block_size)
     values = _gather_blocks(v_pool, layout.decode_block_tables, block_size)
     key_index = torch.arange(keys.shape[1], device=q.device)
-    mask = key_index[None, :] < layout.decode_seq_lens[:, None]
+    seq_lens = layout.decode_seq_lens[:, None]
+    mask = key_index[None, :] < seq_lens
+    if window is not None:
+        mask = mask & (key_index[None, :] >= seq_lens - window)
     out.index_copy_(0, rows, _decode_attention(q[rows], keys, values, mask, scale))
     return out
 
@@ -160,6 +193,7 @@ def paged_attention_decode_kernel(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the decode path in our C++ kernel (plugins/csrc/paged_decode_attention.cpp),
     which reads each request's K/V in place through its block table: at 32 rows x 256 tokens of
@@ -168,10 +202,10 @@ def paged_attention_decode_kernel(
     kernel library loaded. The context path goes through the same kernel, row by row
     (`_context_attention_per_row`), for batch invariance."""
     out = torch.zeros_like(q)
-    _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale)
+    _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale, window)
     rows = layout.decode_query_rows
-    decoded = torch.ops.ifb_quant.paged_decode_attention(
-        q[rows].float(), k_pool, v_pool, layout.decode_block_tables, layout.decode_seq_lens, block_size, scale
+    decoded = _kernel_attention(
+        q[rows].float(), k_pool, v_pool, layout.decode_block_tables, layout.decode_seq_lens, block_size, scale, window
     )
     out.index_copy_(0, rows, decoded.to(q.dtype))
     return out

@@ -22,18 +22,25 @@ def write_kv_reference(
 
 
 def _attend_one(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: list[int], scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: list[int],
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
-    """q [n, H, D]; keys/values [L, KVH, D]; query i sees keys 0..query_positions[i]."""
+    """q [n, H, D]; keys/values [L, KVH, D]; query i sees keys 0..query_positions[i], the last
+    `window` of them with a sliding window."""
     num_heads, num_kv_heads = q.shape[1], keys.shape[1]
     group = num_heads // num_kv_heads
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
     out = torch.empty(q.shape, dtype=torch.float32)
     for i, pos in enumerate(query_positions):
-        scores = torch.einsum("hd,lhd->hl", q[i].float(), keys[: pos + 1]) * scale
+        first = 0 if window is None else max(0, pos + 1 - window)
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), keys[first : pos + 1]) * scale
         probs = torch.softmax(scores, dim=-1)
-        out[i] = torch.einsum("hl,lhd->hd", probs, values[: pos + 1])
+        out[i] = torch.einsum("hl,lhd->hd", probs, values[first : pos + 1])
     return out.to(q.dtype)
 
 
@@ -45,8 +52,10 @@ def paged_attention_reference(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every packed query over its own request's blocks.
+    """Causal attention of every packed query over its own request's blocks (the last `window`
+    keys of each query's, with a sliding window).
 
     q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
     """
@@ -61,10 +70,10 @@ def paged_attention_reference(
         rows = sorted(set(layout.context_query_rows[r].tolist()))
         query_positions = [int(positions[row]) for row in rows]
         keys, values = context_keys(layout.context_block_tables[r], max(query_positions) + 1)
-        out[rows] = _attend_one(q[rows], keys, values, query_positions, scale)
+        out[rows] = _attend_one(q[rows], keys, values, query_positions, scale, window)
     for d in range(layout.decode_query_rows.shape[0]):
         row = int(layout.decode_query_rows[d])
         length = int(layout.decode_seq_lens[d])
         keys, values = context_keys(layout.decode_block_tables[d], length)
-        out[row : row + 1] = _attend_one(q[row : row + 1], keys, values, [length - 1], scale)
+        out[row : row + 1] = _attend_one(q[row : row + 1], keys, values, [length - 1], scale, window)
     return out

@@ -1,5 +1,5 @@
-"""Tiny seeded random checkpoints written as real files: HF folders (Llama, Qwen2, Qwen3, SmolLM3)
-and GGUFs."""
+"""Tiny seeded random checkpoints written as real files: HF folders (Llama, Mistral, Qwen2, Qwen3,
+SmolLM3, Phi-3) and GGUFs."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def tiny_tokenizer(vocab_size: int = 320) -> Any:
 
 
 def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -63,6 +63,9 @@ def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
     common.update(overrides)
     if architecture == "llama":
         return LlamaConfig(**common)
+    if architecture == "mistral":
+        # no window unless asked (MistralConfig's default is 7B v0.1's 4096)
+        return MistralConfig(**{"sliding_window": None, **common})
     if architecture == "qwen2":
         return Qwen2Config(**common)
     if architecture == "qwen3":
@@ -163,7 +166,9 @@ def write_gguf(
     tokenizer = AutoTokenizer.from_pretrained(hf_folder)
     state = load_file(str(hf_folder / "model.safetensors"))
     architecture = config.model_type
-    writer = gguf.GGUFWriter(str(path), architecture)
+    # llama.cpp's converter writes Mistral as arch llama; transformers tells it by its name
+    gguf_architecture = "llama" if architecture == "mistral" else architecture
+    writer = gguf.GGUFWriter(str(path), gguf_architecture)
     writer.add_name(f"tiny-{architecture}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -176,6 +181,8 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "sliding_window", None):  # `{arch}.attention.sliding_window`
+        writer.add_sliding_window(config.sliding_window)
     if architecture == "phi3":  # as llama.cpp's Phi-3 converter: rotary dims, LongRoPE factors as tensors
         rope = config.rope_parameters
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -220,7 +227,7 @@ def write_gguf(
         "self_attn.q_norm.weight": "attn_q_norm.weight",
         "self_attn.k_norm.weight": "attn_k_norm.weight",
     }
-    permuted = architecture == "llama"  # llama.cpp's converter permutes Llama's q/k rows only
+    permuted = gguf_architecture == "llama"  # llama.cpp's converter permutes Llama's q/k rows only
 
     overrides = tensor_types or {}
     rng = np.random.default_rng(seed)

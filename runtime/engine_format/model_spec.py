@@ -30,8 +30,10 @@ class ModelSpec:
     qk_norm: bool = False
     # SmolLM3: the layers (by index) whose attention takes no rotary embedding (every 4th there)
     no_rope_layers: tuple[int, ...] = ()
-    # Phi-3: the attention window its checkpoint declares; engines are only built with
-    # max_seq_len inside it (no row's keys ever slide out), so the network needs no mask for it
+    # Mistral, Phi-3: the attention window its checkpoint declares, on every layer: a query at
+    # position i attends to keys at positions p with i - sliding_window < p <= i (transformers'
+    # sliding-window causal mask). None: every earlier key. Engines built before the network
+    # honoured it (Phi-3 only) had max_seq_len <= sliding_window, where the window cuts nothing.
     sliding_window: int | None = None
 
     def to_json(self) -> dict[str, Any]:

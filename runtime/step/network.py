@@ -109,6 +109,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=False)
         self.block_size = block_size
         self.scale = spec.head_dim**-0.5
+        self.window = spec.sliding_window  # Mistral, Phi-3: each query sees its last `window` keys
         self.ops = ops
         # Qwen3 normalizes each head's q and k before RoPE; an identity keeps one forward for all
         self.q_norm: nn.Module = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
@@ -133,7 +134,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
-        out = self.ops.attend(q, k_pool, v_pool, positions, layout, self.block_size, self.scale)
+        out = self.ops.attend(q, k_pool, v_pool, positions, layout, self.block_size, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_dim))
 
 

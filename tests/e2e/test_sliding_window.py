@@ -1,0 +1,191 @@
+"""Sliding-window attention (Mistral, Phi-3) through the real builder, HF folder and GGUF.
+
+Pins: `ModelSpec.sliding_window` is read from an HF config and from a GGUF's
+`{arch}.attention.sliding_window`, engines build with max_seq_len far past the window, and every
+query attends to the keys p with position - p < window, exactly as transformers' sliding-window
+mask: greedy output and last logits equal transformers fp32 for prompts shorter and longer than
+the window, prefilled whole or in chunks that cut it; on a block-quantized engine (the decode
+kernel's windowed path) a request's logits are bitwise the same alone or batched, whole or
+chunked, and after a reused prefix; the compiled, eager and reference attention paths agree.
+
+The window is 8 positions, half a block of 16, so it cuts inside blocks and a 40-token prompt
+spans five windows. Each test was checked to fail with the network's window disabled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from greedy_loop import greedy_generate, hf_greedy
+from step_cases import prompts
+from test_model_families import assert_last_logits_close
+from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint
+from transformers import AutoModelForCausalLM
+
+from ifb.builder.build import BuildOptions, build_engine
+from ifb.builder.sources import gguf_config, load_model, resolve_source
+from ifb.runtime.engine_format import EngineConfig
+from ifb.runtime.step.backend import StepMode
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
+
+WINDOW = 8
+PROMPT_LENGTHS = [5, 23, 40]  # shorter than the window, and longer
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("tiny-mistral"), "mistral", seed=8, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def mistral_gguf(tmp_path_factory: pytest.TempPathFactory, mistral_dir: Path) -> Path:
+    """As llama.cpp writes Mistral (arch llama, q/k rows permuted), Q8_0 blocks, and the window."""
+    path = tmp_path_factory.mktemp("tiny-mistral-gguf") / "tiny-mistral-q8_0.gguf"
+    return write_gguf(path, mistral_dir, linear_type="Q8_0", embed_type="Q8_0")
+
+
+def _build(source: Path, output: Path) -> Path:
+    build_engine(source, output, BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
+    return output
+
+
+@pytest.fixture(scope="module")
+def folder_engine(tmp_path_factory: pytest.TempPathFactory, mistral_dir: Path) -> Path:
+    return _build(mistral_dir, tmp_path_factory.mktemp("engines") / "mistral-fp32")
+
+
+@pytest.fixture(scope="module")
+def gguf_engine(tmp_path_factory: pytest.TempPathFactory, mistral_gguf: Path) -> Path:
+    return _build(mistral_gguf, tmp_path_factory.mktemp("engines") / "mistral-q8_0")
+
+
+def _gguf_oracle(path: Path) -> torch.nn.Module:
+    """transformers' MistralForCausalLM on the GGUF's weights as its GGUF loader dequantizes them
+    (builder's load_model: the loader maps no mistral tensors, so it reads the file as Llama)."""
+    loaded = load_model(resolve_source(path))
+    assert (loaded.hf_config.model_type, loaded.hf_config.sliding_window) == ("mistral", WINDOW)
+    model = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict)
+    return model
+
+
+def _assert_greedy_equals(engine: Engine, hf: torch.nn.Module) -> None:
+    for prompt in prompts(engine.config.spec.vocab_size, PROMPT_LENGTHS, seed=7):
+        expected = hf_greedy(hf.eval(), prompt, 24)
+        assert greedy_generate(engine, prompt, 24) == expected
+        for chunk in (3, WINDOW + 1, 16):  # chunks that start inside, at and past a window
+            assert greedy_generate(engine, prompt, 24, chunk=chunk) == expected, chunk
+        assert_last_logits_close(engine, hf, prompt)
+
+
+def test_folder_engine_records_the_window_and_equals_transformers(mistral_dir: Path, folder_engine: Path) -> None:
+    """Dense fp32 engine (SDPA context path, masked decode path), max_seq_len 256 = 32 windows."""
+    engine = Engine.load(folder_engine, StepMode.COMPILED)
+    assert (engine.config.spec.architecture, engine.config.spec.sliding_window) == ("mistral", WINDOW)
+    assert engine.config.limits.max_seq_len == 256
+    _assert_greedy_equals(engine, AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32))
+
+
+def test_gguf_engine_keeps_blocks_and_equals_transformers_gguf_loader(mistral_gguf: Path, gguf_engine: Path) -> None:
+    """Block-quantized engine: both attention paths in the decode kernel's windowed op."""
+    config = EngineConfig.load(gguf_engine)
+    assert (config.spec.architecture, config.spec.sliding_window) == ("mistral", WINDOW)
+    assert config.kernels is not None and set(config.weight_formats.values()) == {"q8_0"}
+    _assert_greedy_equals(Engine.load(gguf_engine, StepMode.COMPILED), _gguf_oracle(mistral_gguf))
+
+
+def test_the_gguf_key_decides_the_window(mistral_gguf: Path, tmp_path: Path) -> None:
+    """A Llama-arch GGUF declaring `llama.attention.sliding_window` reads as Mistral with it;
+    without the key (how llama.cpp writes every Mistral) it reads as the Llama it then is, with
+    no window (as llama.cpp runs it), not MistralConfig's default 4096."""
+    from ifb.builder.hf_config import model_spec_from_hf_config
+
+    windowed = gguf_config(mistral_gguf)
+    assert (windowed.model_type, model_spec_from_hf_config(windowed).sliding_window) == ("mistral", WINDOW)
+    plain = write_hf_checkpoint(tmp_path / "plain", "mistral", seed=8)
+    config = gguf_config(write_gguf(tmp_path / "plain.gguf", plain))
+    assert config.model_type == "llama" and model_spec_from_hf_config(config).sliding_window is None
+
+
+def _last_logits(engine: Engine, steps: list[list[RequestSlice]]) -> torch.Tensor:
+    """Run `steps` from an empty cache; the last step's logits."""
+    engine.kv_cache.zero_()
+    for step in steps:
+        logits = engine.step(build_step_inputs(step, engine.config.limits.block_size))
+    return logits
+
+
+def _oracle_last_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0, -1]
+
+
+def test_windowed_logits_are_bitwise_batch_chunk_and_prefix_invariant(mistral_gguf: Path, gguf_engine: Path) -> None:
+    """A prompt's last logits, bit for bit: alone; beside other prompts and a decode deep past
+    its window; prefilled in two chunks split around window edges; and after a reused prefix
+    (its first two blocks written by another request, whose table it shares). Alone, they are
+    transformers' (so a window ignored everywhere alike fails here too)."""
+    engine = Engine.load(gguf_engine, StepMode.COMPILED)
+    vocab = engine.config.spec.vocab_size
+    texts = prompts(vocab, [40, 23, 37, 90], seed=9)
+    hf = _gguf_oracle(mistral_gguf).eval()
+    tables = [[30, 4, 17], [9, 22], [41, 1, 33], list(range(10, 16))]
+    whole = [RequestSlice(text, 0, table, True) for text, table in zip(texts[:3], tables, strict=False)]
+    alone = [_last_logits(engine, [[piece]])[0] for piece in whole]
+    long_text, long_table = texts[3], tables[3]
+    long_prefill = RequestSlice(long_text, 0, long_table, True)
+    decode = RequestSlice([7], len(long_text), long_table, True)  # 91 keys, window 8
+    beside = _last_logits(engine, [[long_prefill], [*whole[::-1], decode]])
+    decode_alone = _last_logits(engine, [[long_prefill], [decode]])[0]
+    assert torch.equal(beside[3], decode_alone)
+    assert torch.allclose(decode_alone, _oracle_last_logits(hf, [*long_text, 7]), atol=2e-5, rtol=0)
+    for row, (text, table) in enumerate(zip(texts[:3], tables, strict=False)):
+        assert torch.allclose(alone[row], _oracle_last_logits(hf, text), atol=2e-5, rtol=0), row
+        assert torch.equal(beside[2 - row], alone[row]), f"prompt {row} batched"
+        for split in (1, WINDOW - 1, WINDOW, WINDOW + 1, 16, 17, len(text) - 1):
+            head, tail = RequestSlice(text[:split], 0, table, False), RequestSlice(text[split:], split, table, True)
+            assert torch.equal(_last_logits(engine, [[head], [tail]])[0], alone[row]), f"prompt {row} split {split}"
+    # prefix reuse: prompt 0's first 32 tokens are another request's first two blocks
+    shared = [5, 6]
+    donor = RequestSlice(texts[0][:32] + texts[1][:5], 0, [*shared, 7], True)
+    reused = RequestSlice(texts[0][32:], 32, [*shared, 44], True)
+    assert torch.equal(_last_logits(engine, [[donor], [reused]])[0], alone[0])
+
+
+def test_compiled_eager_and_reference_paths_agree_past_the_window(
+    mistral_dir: Path, mistral_gguf: Path, folder_engine: Path, gguf_engine: Path
+) -> None:
+    """One mixed step (a chunk past the window over cached context, a whole prompt, a deep
+    decode) in all three step modes of both engines: the reference loops, the torch masks and
+    the kernel apply the same window, transformers' (the reference's logits are its)."""
+    vocab = EngineConfig.load(gguf_engine).spec.vocab_size
+    a, b, c = prompts(vocab, [30, 19, 50], seed=13)
+    warmup = [RequestSlice(a[:16], 0, [3, 17], False), RequestSlice(c, 0, [25, 11, 30, 7], True)]
+    mixed = [
+        RequestSlice(a[16:], 16, [3, 17], True),
+        RequestSlice(b, 0, [40, 2], True),
+        RequestSlice([5], 50, [25, 11, 30, 7], True),
+    ]
+    folder_hf = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
+    for folder, hf in ((folder_engine, folder_hf), (gguf_engine, _gguf_oracle(mistral_gguf).eval())):
+        results = {mode: _last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
+        for mode in (StepMode.REFERENCE, StepMode.EAGER):
+            assert (results[mode] - results[StepMode.COMPILED]).abs().max().item() < 1e-5, (folder.name, mode)
+        expected = torch.stack([_oracle_last_logits(hf, ids) for ids in (a, b, [*c, 5])])
+        assert torch.allclose(results[StepMode.REFERENCE], expected, atol=2e-5, rtol=0), folder.name
+
+
+def test_phi3_window_applies_past_it_as_transformers(tmp_path: Path) -> None:
+    """Phi-3's window used to bound max_seq_len; now an engine 16x longer than it applies it."""
+    folder = write_hf_checkpoint(tmp_path / "phi3", "phi3", seed=6, sliding_window=16)
+    engine = Engine.load(_build(folder, tmp_path / "phi3-engine"), StepMode.COMPILED)
+    assert (engine.config.spec.sliding_window, engine.config.limits.max_seq_len) == (16, 256)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt in prompts(engine.config.spec.vocab_size, [9, 40], seed=7):
+        expected = hf_greedy(hf, prompt, 20)
+        assert greedy_generate(engine, prompt, 20) == expected
+        assert greedy_generate(engine, prompt, 20, chunk=16) == expected
+        assert_last_logits_close(engine, hf, prompt)
