@@ -21,6 +21,7 @@ from server_harness import running_server
 from ifb import LLM, SamplingParams
 from ifb.runtime.guided import GuidedDecoding
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
+from ifb.runtime.reasoning_budget import ReasoningBudget
 from ifb.runtime.request import FinishReason
 from ifb.runtime.scheduler import ScheduledBatch
 from ifb.runtime.step_budget.budgets import FixedBudget
@@ -140,6 +141,19 @@ def test_logprobs_stop_ids_stop_strings_and_max_tokens(tiny_q4_gguf_engine: Path
     assert on[1].finish_reason is FinishReason.STOP and on[1].token_ids[-1] == stop_id
     assert on[2].finish_reason is FinishReason.STOP and stop_text not in on[2].text
     assert [len(o.token_ids) for o in on[3:]] == [1, 2, 3, 7, 23]
+
+
+def test_a_reasoning_budget_forces_the_same_close_with_speculation(tiny_q4_gguf_engine: Path) -> None:
+    """Drafts past the budget are cut where the forced close differs: the reply is the same."""
+    budget = ReasoningBudget(10, starts_inside=True)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, reasoning_budget=budget)
+    off, _ = run(tiny_q4_gguf_engine, "off", prompts(3), params)
+    on, counters = run(tiny_q4_gguf_engine, "ngram", prompts(3), params)
+    same(off, on)
+    drafted(counters)
+    with LLM(tiny_q4_gguf_engine) as llm:
+        close = llm.frontend.think_tags[1]
+    assert all(list(o.token_ids[10 : 10 + len(close)]) == close for o in on)  # forced after 10 tokens
 
 
 REGEX = r"(ab|cd){3,12}"
