@@ -192,7 +192,7 @@ def engine_folders(args: argparse.Namespace) -> list[Path]:
 def engine_label(config: EngineConfig) -> str:
     formats = sorted(set(config.weight_formats.values())) or ["dense"]
     kv = "" if config.kv_dtype == config.dtype else f", KV {config.kv_dtype}"
-    compute = "" if config.weight_compute == "fp32" else f", {config.weight_compute} compute"
+    compute = "" if config.weight_compute == "fp32" else f", {config.weight_compute.value} compute"
     return f"ifb {config.backend.value} {'+'.join(formats)} ({config.dtype}{kv}{compute})"
 
 

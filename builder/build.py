@@ -163,9 +163,7 @@ def _convert(
     plan = plan_weights(tensors, options.weights if keeps_blocks or options.weights != "auto" else "fp32")
     compute = resolve_compute(options.compute, plan.has_blocks)
     warn_dequantized(plan, torch.finfo(getattr(torch, dtype)).bits // 8)
-    recipe = NetworkRecipe(
-        spec, inv_freq, rope_scaling, limits.max_seq_len, limits.block_size, plan.formats, compute.value
-    )
+    recipe = NetworkRecipe(spec, inv_freq, rope_scaling, limits.max_seq_len, limits.block_size, plan.formats, compute)
     network = recipe.empty_network()
     writer = WeightsWriter(weights_path, stored_entries(network, getattr(torch, dtype), inv_freq))
     for name, tensor in network_state(tensors, plan, compute):
@@ -296,7 +294,7 @@ def build_engine(
         seconds=time.perf_counter() - clock.started,
         stage_seconds=clock.seconds,
         stage_peak_bytes=clock.peak_bytes,
-        weight_compute=config.weight_compute,
+        weight_compute=config.weight_compute.value,
     )
 
 

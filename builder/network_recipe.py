@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ifb.plugins.quant_formats import WeightCompute, WeightFormat
 from ifb.runtime.engine_format import ModelSpec
 from ifb.runtime.engine_format.weights_file import map_weights
 from ifb.runtime.step.network import StepNetwork, attention_ops
@@ -26,8 +27,8 @@ class NetworkRecipe:
     rope_scaling: float
     max_seq_len: int
     block_size: int
-    weight_formats: dict[str, str]  # StepNetwork.weight_formats: empty for a dense network
-    weight_compute: str
+    weight_formats: dict[str, WeightFormat]  # StepNetwork.weight_formats: empty for a dense network
+    weight_compute: WeightCompute
 
     def empty_network(self) -> StepNetwork:
         """The network on the meta device: no allocation of the modules that will hold blocks."""

@@ -51,7 +51,7 @@ class TensorSource(Protocol):
 class WeightPlan:
     """What the engine stores: StepNetwork.weight_formats, and the source tensors dequantized."""
 
-    formats: dict[str, str]
+    formats: dict[str, WeightFormat]
     dequantized: tuple[TensorInfo, ...]  # block-quantized in the file, no kernel: stored dense
     quantized_from: str | None  # the --weights format every linear was quantized to, if any
 
@@ -66,35 +66,35 @@ def plan_weights(source: TensorSource, weights: str) -> WeightPlan:
         return WeightPlan({}, _non_dense(source, lambda info: True), None)
     if weights != "auto":
         return _quantize_plan(source, WeightFormat(weights))
-    formats: dict[str, str] = {}
+    formats: dict[str, WeightFormat] = {}
     for module, names in source.linears.items():
         kept = [source.info(name).block_format or WeightFormat.FP32 for name in names]
         if all(fmt is kept[0] for fmt in kept):
             if kept[0] is not WeightFormat.FP32:
-                formats[module] = kept[0].value
+                formats[module] = kept[0]
         else:
-            formats.update({part_key(module, i): fmt.value for i, fmt in enumerate(kept)})
+            formats.update({part_key(module, i): fmt for i, fmt in enumerate(kept)})
     embed = source.info(source.dense["embed.weight"][0]).block_format
     if embed is not None:
-        formats[EMBED_KEY] = embed.value
+        formats[EMBED_KEY] = embed
     return WeightPlan(formats, _non_dense(source, lambda info: info.block_format is None), None)
 
 
 def _quantize_plan(source: TensorSource, fmt: WeightFormat) -> WeightPlan:
-    formats: dict[str, str] = {}
+    formats: dict[str, WeightFormat] = {}
     unaligned: list[str] = []
     for module, names in source.linears.items():
         cols = source.info(names[0]).cols
         if cols % BLOCK_SIZE:
             unaligned.append(f"{module} (K={cols})")
         else:
-            formats[module] = fmt.value
+            formats[module] = fmt
     if unaligned:
         logger.warning(
             "%d weight(s) stay fp32: K is not a multiple of %d: %s", len(unaligned), BLOCK_SIZE, ", ".join(unaligned)
         )
     if source.spec.tie_word_embeddings and "lm_head" in formats:
-        formats[EMBED_KEY] = fmt.value  # the embedding reads the head's tiles
+        formats[EMBED_KEY] = fmt  # the embedding reads the head's tiles
     return WeightPlan(formats, (), fmt.value)
 
 
@@ -135,7 +135,7 @@ def network_state(source: TensorSource, plan: WeightPlan, compute: WeightCompute
                 segment = tuple(names[i] for i in parts)
                 yield from _stored_linear(source, f"{module}.parts.{index}", per_part[parts[0]], segment, packer, plan)
             continue
-        fmt = WeightFormat(plan.formats.get(module, WeightFormat.FP32.value))
+        fmt = plan.formats.get(module, WeightFormat.FP32)
         if module == "lm_head" and spec.tie_word_embeddings and fmt is WeightFormat.FP32:
             continue  # the network ties a dense head to the embedding table
         yield from _stored_linear(source, module, fmt, names, packer, plan)
@@ -169,8 +169,8 @@ def _stored_linear(
 
 def _stored_embedding(source: TensorSource, plan: WeightPlan, name: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The embedding's own tiles, unless it reads the tied head's (then nothing to store)."""
-    fmt = WeightFormat(plan.formats[EMBED_KEY])
-    if source.spec.tie_word_embeddings and plan.formats.get("lm_head") == fmt.value:
+    fmt = plan.formats[EMBED_KEY]
+    if source.spec.tie_word_embeddings and plan.formats.get("lm_head") is fmt:
         return
     info = source.info(name)
     if info.cols % block_weights(fmt):

@@ -27,6 +27,7 @@ from ifb.builder.build import (
 )
 from ifb.builder.quant_weights import resolve_compute, source_packs_weights
 from ifb.builder.sources import ModelSource, resolve_source, source_sha256
+from ifb.plugins.quant_formats import WeightCompute
 from ifb.runtime.engine_format import ENGINE_JSON, BackendKind, EngineConfig
 from ifb.runtime.errors import EngineFormatError
 
@@ -80,11 +81,11 @@ def _matches(engine: EngineConfig, source: ModelSource, sha256: str, options: Bu
     )
 
 
-def _compute(source: ModelSource, options: BuildOptions) -> str:
+def _compute(source: ModelSource, options: BuildOptions) -> WeightCompute:
     """The compute mode `options` would build `source` with here (auto resolved: a dense engine
     built with --compute fp32 matches a request for auto)."""
     has_blocks = source_packs_weights(source, options.weights, options.backend)
-    return resolve_compute(options.compute, has_blocks).value
+    return resolve_compute(options.compute, has_blocks)
 
 
 def _read_engine(folder: Path) -> EngineConfig | None:

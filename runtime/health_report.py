@@ -56,8 +56,8 @@ def engine_block(engine: EngineConfig) -> dict[str, Any]:
         "backend": engine.backend.value,
         "dtype": engine.dtype,
         "kv_dtype": engine.kv_dtype,
-        "weight_formats": sorted(set(engine.weight_formats.values())),
-        "weight_compute": engine.weight_compute if engine.weight_formats else None,
+        "weight_formats": sorted({fmt.value for fmt in engine.weight_formats.values()}),
+        "weight_compute": engine.weight_compute.value if engine.weight_formats else None,
         "kernels_isa": None if engine.kernels is None else engine.kernels.isa,
     }
 

@@ -107,8 +107,10 @@ class EngineConfig:
     build_info: dict[str, Any] = field(default_factory=dict)  # timings, versions, cpu: informational
     tensorrt: TensorRTPlanInfo | None = None
     kernels: KernelLibraryInfo | None = None
-    weight_formats: dict[str, str] = field(default_factory=dict)  # module name -> block format
-    weight_compute: str = "fp32"  # how the block-format layers multiply: fp32 or int8 (`--compute`)
+    weight_formats: dict[str, WeightFormat] = field(default_factory=dict)  # module name -> block format
+    weight_compute: WeightCompute = (
+        WeightCompute.FP32
+    )  # how the block-format layers multiply: fp32 or int8 (`--compute`)
     # True: the step package holds no weights; they are bound at load from the mapped weights file,
     # so an engine stores them once (block engines; dense ones keep freezing's prepacked constants).
     step_constants_external: bool = False
@@ -186,8 +188,8 @@ class EngineConfig:
             "build": self.build_info,
             "tensorrt": None if self.tensorrt is None else _asdict(self.tensorrt),
             "kernels": None if self.kernels is None else _asdict(self.kernels),
-            "weight_formats": self.weight_formats,
-            "weight_compute": self.weight_compute,
+            "weight_formats": {name: fmt.value for name, fmt in self.weight_formats.items()},
+            "weight_compute": self.weight_compute.value,
             "step_constants_external": self.step_constants_external,
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             "artifacts": self.artifacts,
@@ -228,8 +230,8 @@ class EngineConfig:
                 tensorrt=_maybe(TensorRTPlanInfo, read.optional("tensorrt")),
                 kernels=None if kernels is None else _kernel_info(kernels),
                 weight_formats=_weight_formats(read.optional("weight_formats") or {}),
-                weight_compute=_one_of(
-                    "weight_compute", read.optional("weight_compute") or "fp32", WEIGHT_COMPUTE_MODES
+                weight_compute=WeightCompute(
+                    _one_of("weight_compute", read.optional("weight_compute") or "fp32", WEIGHT_COMPUTE_MODES)
                 ),
                 step_constants_external=bool(read.optional("step_constants_external")),
                 cost_model=None if cost_model is None else StepCostModel.from_json(cost_model),
@@ -294,11 +296,11 @@ def _kernel_info(data: dict[str, Any]) -> KernelLibraryInfo:
     return KernelLibraryInfo(**{**data, "cpu_features": tuple(data["cpu_features"])})
 
 
-def _weight_formats(data: dict[str, Any]) -> dict[str, str]:
+def _weight_formats(data: dict[str, Any]) -> dict[str, WeightFormat]:
     bad = {name: fmt for name, fmt in data.items() if fmt not in STORED_WEIGHT_FORMATS}
     if bad:
         raise ValueError(f"weight_formats {bad} not in {', '.join(STORED_WEIGHT_FORMATS)}")
-    return dict(data)
+    return {name: WeightFormat(fmt) for name, fmt in data.items()}
 
 
 def _one_of(name: str, value: str, allowed: Collection[str]) -> str:

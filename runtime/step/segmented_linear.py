@@ -13,6 +13,8 @@ module stored in one format keeps its plain name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -25,12 +27,12 @@ def part_key(module: str, part: int) -> str:
     return f"{module}[{part}]"
 
 
-def part_formats(weight_formats: dict[str, str], module: str, num_parts: int) -> list[WeightFormat] | None:
+def part_formats(weight_formats: Mapping[str, WeightFormat], module: str, num_parts: int) -> list[WeightFormat] | None:
     """The per-part formats of `module` when it is recorded part by part, else None."""
     keys = [part_key(module, i) for i in range(num_parts)]
     if not any(key in weight_formats for key in keys):
         return None
-    return [WeightFormat(weight_formats.get(key, WeightFormat.FP32.value)) for key in keys]
+    return [weight_formats.get(key, WeightFormat.FP32) for key in keys]
 
 
 def segments(formats: list[WeightFormat], part_rows: tuple[int, ...]) -> list[tuple[WeightFormat, int]]:

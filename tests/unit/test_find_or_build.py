@@ -18,6 +18,7 @@ from engine_records import LIMITS, engine_config
 from ifb import find_or_build
 from ifb.builder.build import BuildOptions, build_dtype, build_kv_dtype
 from ifb.builder.sources import resolve_source, source_sha256
+from ifb.plugins.quant_formats import WeightCompute
 from ifb.runtime.engine_format import ENGINE_JSON, BackendKind, BuildOptionsRecord, EngineConfig, EngineSource
 
 
@@ -116,7 +117,7 @@ def test_a_smaller_limit_does_not_serve(checkpoint: Path, tmp_path: Path, builds
         {"source": EngineSource(kind="hf_folder", path="elsewhere", sha256="0" * 64)},
         {"dtype": "float16", "kv_dtype": "float16"},
         {"kv_dtype": "float16"},
-        {"weight_compute": "int8"},
+        {"weight_compute": WeightCompute.INT8},
         {"backend": BackendKind.TENSORRT},
     ],
     ids=["not-in-registry", "other-source-bytes", "dtype", "kv-dtype", "compute", "backend"],

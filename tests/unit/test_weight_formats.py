@@ -10,6 +10,7 @@ checked in test_quant_kernels.py (every format's tiles dequantize through the li
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from ifb.plugins.quant_formats import (
     BLOCK_FORMATS,
     GGUF_TYPE_NAMES,
     QUANTIZE_FORMATS,
+    WeightCompute,
     WeightFormat,
     block_bytes,
     block_weights,
@@ -101,9 +103,12 @@ def test_engine_json_keeps_the_format_names(tmp_path: Path) -> None:
     """weight_formats is written and read as the enum's values ("q4_k", ...), as older engines hold them."""
     assert STORED_WEIGHT_FORMATS == tuple(fmt.value for fmt in WeightFormat)
     formats = {"layers.0.attn.qkv[0]": "q4_k", "layers.0.attn.qkv[2]": "fp32", "lm_head": "q6_k", "embed": "q8_0"}
-    record = engine_config(weight_formats=formats, weight_compute="int8").to_json()
-    assert record["weight_formats"] == formats
+    typed = {name: WeightFormat(fmt) for name, fmt in formats.items()}
+    record = engine_config(weight_formats=typed, weight_compute=WeightCompute.INT8).to_json()
+    assert record["weight_formats"] == formats and record["weight_compute"] == "int8"
+    assert json.loads(json.dumps(record))["weight_formats"] == formats
     loaded = EngineConfig.from_json(record, tmp_path)
-    assert loaded.weight_formats == formats and {WeightFormat(fmt) for fmt in formats.values()} <= set(WeightFormat)
+    assert loaded.weight_formats == typed and loaded.weight_compute is WeightCompute.INT8
+    assert all(type(fmt) is WeightFormat for fmt in loaded.weight_formats.values())
     with pytest.raises(EngineFormatError, match="weight_formats .*'q2_k'"):
         EngineConfig.from_json({**record, "weight_formats": {"lm_head": "q2_k"}}, tmp_path)
