@@ -8,7 +8,7 @@ keep the number of matmuls per layer at four.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -189,8 +189,8 @@ class StepNetwork(nn.Module):
         max_seq_len: int,
         block_size: int,
         ops: AttentionOps = FAST_OPS,
-        weight_formats: dict[str, str] | None = None,
-        weight_compute: str = "fp32",
+        weight_formats: Mapping[str, WeightFormat] | None = None,
+        weight_compute: WeightCompute = WeightCompute.FP32,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -206,7 +206,7 @@ class StepNetwork(nn.Module):
         for name, rows in linear_part_rows(spec).items():
             self._store_linear(name, rows)
         if EMBED_KEY in self.weight_formats:
-            self._store_embedding(WeightFormat(self.weight_formats[EMBED_KEY]))
+            self._store_embedding(self.weight_formats[EMBED_KEY])
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -241,7 +241,7 @@ class StepNetwork(nn.Module):
             layout = segments(per_part, part_rows)
             replacement = SegmentedLinear(linear.in_features, layout, linear.bias is not None, self.weight_compute)
         elif name in self.weight_formats:
-            fmt = WeightFormat(self.weight_formats[name])
+            fmt = self.weight_formats[name]
             replacement = QuantLinear(
                 fmt, linear.in_features, linear.out_features, bias=linear.bias is not None, compute=self.weight_compute
             )
