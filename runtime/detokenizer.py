@@ -26,9 +26,9 @@ class _StreamDecoder(Protocol):
 class _RustStreamDecoder:
     """tokenizers' DecodeStream: buffers bytes of an unfinished character inside the library."""
 
-    def __init__(self, tokenizer: Any, context_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, context_token_ids: list[int], skip_special_tokens: bool) -> None:
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(context_token_ids, skip_special_tokens=True)
+        self._stream = DecodeStream(context_token_ids, skip_special_tokens=skip_special_tokens)
 
     def step(self, token_ids: list[int]) -> str:
         return self._stream.step(self._backend, token_ids) or ""
@@ -38,14 +38,15 @@ class _TailDecoder:
     """Decodes [prefix_offset:] and [prefix_offset:read_offset] with `tokenizer.decode`; the new
     text is the difference, unless it ends in an unfinished UTF-8 sequence."""
 
-    def __init__(self, tokenizer: Any, context_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, context_token_ids: list[int], skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._ids = list(context_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def step(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)
@@ -57,17 +58,19 @@ class _TailDecoder:
         return after[len(before) :]
 
 
-def _stream_decoder(tokenizer: Any, context_token_ids: list[int]) -> _StreamDecoder:
+def _stream_decoder(tokenizer: Any, context_token_ids: list[int], skip_special_tokens: bool) -> _StreamDecoder:
     # DecodeStream runs only the Rust decoder: a tokenizer whose decode() also cleans up spaces
     # in Python would stream different text than it decodes, so it keeps the tail path.
     if hasattr(tokenizer, "backend_tokenizer") and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return _RustStreamDecoder(tokenizer, context_token_ids)
-    return _TailDecoder(tokenizer, context_token_ids)
+        return _RustStreamDecoder(tokenizer, context_token_ids, skip_special_tokens)
+    return _TailDecoder(tokenizer, context_token_ids, skip_special_tokens)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
-        self._decoder = _stream_decoder(tokenizer, list(prompt_token_ids[-_PROMPT_CONTEXT:]))
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool = True
+    ) -> None:
+        self._decoder = _stream_decoder(tokenizer, list(prompt_token_ids[-_PROMPT_CONTEXT:]), skip_special_tokens)
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""

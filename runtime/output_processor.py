@@ -31,7 +31,8 @@ class OutputProcessor:
 
     def detokenizer(self, request: Request) -> IncrementalDetokenizer:
         """A new request's detokenizer (its LiveRequest holds it)."""
-        return IncrementalDetokenizer(self._tokenizer, request.token_ids, request.params.stop)
+        params = request.params
+        return IncrementalDetokenizer(self._tokenizer, request.token_ids, params.stop, params.skip_special_tokens)
 
     def process(self, sampled: Iterable[tuple[LiveRequest, Sequence[int]]]) -> dict[str, TextStop]:
         """Detokenize and advance the grammar for each request's new tokens, in order; the stops
@@ -49,7 +50,8 @@ class OutputProcessor:
     @staticmethod
     def _push(live: LiveRequest, token: int) -> Stop | None:
         detok = live.detokenizer
-        detok.push([token])
+        if live.request.params.skip_special_tokens or not _ends_request(live.request, token):
+            detok.push([token])  # a finishing EOS or stop id is not text, even with special tokens shown
         stop = Stop(FinishReason.STOP) if detok.stopped else None
         matcher = live.sampling.grammar_matcher
         if matcher is None or matcher.is_terminated():
@@ -89,6 +91,12 @@ class OutputProcessor:
             timed_out_in_queue=request.timed_out_in_queue,
             **(_timings(request) if final else {}),
         )
+
+
+def _ends_request(request: Request, token: int) -> bool:
+    """Whether `token` is one that stops `request` (the executor cut its tokens after any such)."""
+    params = request.params
+    return token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids)
 
 
 def _timings(request: Request) -> dict[str, float | None]:

@@ -54,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per token (0 = only the sampled token)
     cache_salt: str | None = None
     guided: GuidedDecoding | None = None  # JSON schema / regex / grammar / choice constraint
+    skip_special_tokens: bool = True  # False: special tokens' text is in the reply (not a finishing EOS / stop id)
     reasoning_budget: ReasoningBudget | None = None  # tokens a <think> block may hold (reasoning_budget.py)
 
     def __post_init__(self) -> None:
@@ -124,6 +125,8 @@ class SamplingParams:
             f"a string of at most {MAX_CACHE_SALT_CHARS} characters",
             salt,
         )
+        skip = self.skip_special_tokens
+        _check(isinstance(skip, bool), "skip_special_tokens", "true or false", skip)
         if self.reasoning_budget is not None:
             self.reasoning_budget.validate()
 

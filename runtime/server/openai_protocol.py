@@ -87,6 +87,7 @@ class _Common(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str | None = None
+    skip_special_tokens: bool = True  # False: special tokens' text is in the reply
     # guided decoding: OpenAI's response_format and vLLM's guided_* fields
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None

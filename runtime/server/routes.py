@@ -17,6 +17,7 @@ from ifb.runtime.engine_client import EngineClient
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser
 from ifb.runtime.reasoning_budget import ReasoningBudget
+from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.server.errors import ModelNotFound, error_response
 from ifb.runtime.server.openai_protocol import (
     ChatCompletionRequest,
@@ -104,8 +105,9 @@ class Routes:
     ) -> Response:
         """`prompt_tail`: the chat prompt's end as text, for a reasoning parser that reads it;
         `budget`: every choice's reasoning budget."""
+        shows_special = tools is not None and self._shows_special_tokens(body, tools)
         choices = [
-            Choice(p_index * body.n + j, p_index, prompt, replace(body.sampling_params(j), reasoning_budget=budget))
+            Choice(p_index * body.n + j, p_index, prompt, _params(body, j, budget, shows_special))
             for p_index, prompt in enumerate(prompts)
             for j in range(body.n)
         ]
@@ -129,6 +131,12 @@ class Routes:
         if error is not None:  # a choice failed inside the engine: not a 200
             return error_response(500, error, code="request_failed")
         return JSONResponse(shape.final_body(choices, results).model_dump())
+
+    def _shows_special_tokens(self, body: OpenAIRequest, tools: ToolPlan) -> bool:
+        """A reply the tool-call parser reads for `auto` calls keeps its family's special-token
+        markers ([TOOL_CALLS], <|python_tag|>), unless the client said skip_special_tokens itself."""
+        markers = self.tool_parser.markers
+        return tools.mode == "auto" and markers.special_tokens and "skip_special_tokens" not in body.model_fields_set
 
     async def _stream(
         self, shape: ResponseShape, choices: list[Choice], streams: list[Any], body: OpenAIRequest
@@ -182,6 +190,13 @@ def _completion_prompts(engine: EngineClient, prompt: str | list[str] | list[int
     if all(isinstance(p, int) for p in prompt):
         return [engine.tokenize(prompt)]  # type: ignore[arg-type]
     return [engine.tokenize(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def _params(body: OpenAIRequest, index: int, budget: ReasoningBudget | None, shows_special: bool) -> SamplingParams:
+    """Choice `index`'s parameters: the body's, with what the server decides for it."""
+    params = body.sampling_params(index)
+    skip = params.skip_special_tokens and not shows_special
+    return replace(params, reasoning_budget=budget, skip_special_tokens=skip)
 
 
 def _reasoning_budget(body: ChatCompletionRequest, reasoning: ReasoningParser, tail: str) -> ReasoningBudget | None:

@@ -62,6 +62,9 @@ class CallMarkers:
 
     anywhere: tuple[str, ...] = ()
     at_start: tuple[str, ...] = ()
+    # The markers are special tokens in the family's vocabularies, so a reply that may hold a call
+    # is detokenized with special tokens (vLLM's Mistral parser does the same).
+    special_tokens: bool = False
 
 
 class ToolCallParser(Protocol):
@@ -102,7 +105,7 @@ class Llama3JsonToolParser:
     @property
     def markers(self) -> CallMarkers:
         # The whole reply is the call, so a reply opening otherwise is text and streams at once.
-        return CallMarkers(at_start=("{", PYTHON_TAG))
+        return CallMarkers(at_start=("{", PYTHON_TAG), special_tokens=True)
 
     def parse(self, text: str, names: Collection[str]) -> tuple[str | None, list[ParsedCall]]:
         body = text.lstrip()
@@ -131,9 +134,9 @@ class Llama3JsonToolParser:
 class MistralToolParser:
     @property
     def markers(self) -> CallMarkers:
-        # `[TOOL_CALLS]` is a special token in Mistral's tokenizers, and the detokenizer skips
-        # special tokens: what reaches us of a v3 call is the bare list, opening the reply.
-        return CallMarkers(anywhere=(MISTRAL_OPEN,), at_start=("[",))
+        # `[TOOL_CALLS]` is a special token in Mistral's tokenizers: a reply detokenized without
+        # special tokens (a client's skip_special_tokens=true) brings a v3 call as the bare list.
+        return CallMarkers(anywhere=(MISTRAL_OPEN,), at_start=("[",), special_tokens=True)
 
     def parse(self, text: str, names: Collection[str]) -> tuple[str | None, list[ParsedCall]]:
         head, marker, rest = text.partition(MISTRAL_OPEN)

@@ -78,3 +78,39 @@ def test_llama3_json_calls_by_the_setting(llm: LLM) -> None:
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == expected
     assert (content, calls, reason) == ("", expected, "tool_calls")
+
+
+BOS = 1  # the tiny tokenizer's <s>: a special token
+
+
+def reply_text(base: str, **body: Any) -> str:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+    forced = {"logit_bias": {str(BOS): 100}, "max_tokens": 3, "temperature": 0}
+    reply = client.chat.completions.create(model="tiny", messages=ASK, **forced, **body)  # type: ignore[call-overload]
+    return reply.choices[0].message.content or ""
+
+
+def test_a_reply_read_for_special_token_markers_keeps_special_tokens(llm: LLM) -> None:
+    """Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens in real vocabularies:
+    with tools offered (auto) the server detokenizes the reply with special tokens, unless the
+    client set skip_special_tokens itself; without tools, special tokens stay out of the text."""
+    with running_server(llm, served_model_names=("tiny",)) as base:  # mistral, from the template
+        assert reply_text(base, tools=TOOLS) == "<s><s><s>"
+        assert reply_text(base) == ""
+        assert reply_text(base, tools=TOOLS, extra_body={"skip_special_tokens": True}) == ""
+        assert reply_text(base, extra_body={"skip_special_tokens": False}) == "<s><s><s>"
+        assert reply_text(base, tools=TOOLS, tool_choice="none") == ""
+
+
+def test_a_finishing_eos_is_never_text(llm: LLM) -> None:
+    from ifb import SamplingParams
+
+    eos = next(iter(llm.frontend.eos_token_ids))
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=4, temperature=0, logit_bias={eos: 100}, skip_special_tokens=skip)
+        (output,) = llm.generate([[5, 6, 7]], params)
+        assert (output.token_ids, output.text, output.finish_reason.value) == ((eos,), "", "stop")
+    shown = SamplingParams(
+        max_tokens=2, temperature=0, logit_bias={eos: 100}, ignore_eos=True, skip_special_tokens=False
+    )
+    assert llm.generate([[5, 6, 7]], shown)[0].text == "</s></s>"  # an EOS that does not finish is text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -126,3 +127,18 @@ def test_earliest_stop_string_wins_whatever_the_list_order(pieces_tokenizer: Any
     deltas = stream(detok, ids("Hel", "lo", " wo", "rld"))
     assert detok.stopped
     assert "".join(deltas) == "Hello w"
+
+
+@pytest.mark.parametrize("tail_decoder", [False, True], ids=["decode_stream", "tail_decode"])
+def test_special_tokens_are_text_only_when_asked(pieces_tokenizer: Any, bpe_tokenizer: Any, tail_decoder: bool) -> None:
+    """skip_special_tokens=False (vLLM's field) keeps a special token's text, on both decoders (a
+    tokenizer that cleans up spaces in Python streams through `tokenizer.decode`)."""
+    for tokenizer, special, word in ((pieces_tokenizer, ID["</s>"], ID["Hel"]), (bpe_tokenizer, 1, 40)):
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.clean_up_tokenization_spaces = tail_decoder
+        shown, hidden = (IncrementalDetokenizer(tokenizer, [], (), skip) for skip in (False, True))
+        for detok in (shown, hidden):
+            detok.push([word, special, word])
+        text = tokenizer.decode([word])
+        assert hidden.take(final=True) == text + text
+        assert shown.take(final=True) == text + tokenizer.convert_ids_to_tokens(special) + text
