@@ -9,7 +9,9 @@ kernel's windowed path) a request's logits are bitwise the same alone or batched
 chunked, and after a reused prefix; the compiled, eager and reference attention paths agree.
 
 The window is 8 positions, half a block of 16, so it cuts inside blocks and a 40-token prompt
-spans five windows. Each test was checked to fail with the network's window disabled.
+spans five windows; the scheduler runs it in flight with prefix reuse and chunking, and the ONNX
+graph the TensorRT backend builds from applies it too. Each test was checked to fail with the
+network's window disabled or one key wider (the GGUF key's test: with the key left unread).
 """
 
 from __future__ import annotations
@@ -189,3 +191,44 @@ def test_phi3_window_applies_past_it_as_transformers(tmp_path: Path) -> None:
         assert greedy_generate(engine, prompt, 20) == expected
         assert greedy_generate(engine, prompt, 20, chunk=16) == expected
         assert_last_logits_close(engine, hf, prompt)
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_num_tokens": 16}], ids=["whole_prompts", "chunked_16"])
+def test_in_flight_batching_with_prefix_reuse_equals_alone(
+    mistral_gguf: Path, gguf_engine: Path, settings: dict[str, int]
+) -> None:
+    """32 requests arriving over time (prompts to 72 tokens, many sharing a 16- or 32-token
+    prefix, so reused blocks and chunk edges fall mid-window) through the scheduler and the
+    prefix cache: every output equals its request run alone, and the four longest alone equal
+    transformers (so a window ignored everywhere alike fails here too)."""
+    from test_runtime import run_arriving_over_time, workload
+
+    from ifb import LLM
+
+    items = workload(5)
+    engine = Engine.load(gguf_engine, StepMode.COMPILED)
+    alone = {i: greedy_generate(engine, prompt, n) for i, (prompt, n) in enumerate(items)}
+    hf = _gguf_oracle(mistral_gguf).eval()
+    longest = sorted(range(len(items)), key=lambda i: len(items[i][0]) + items[i][1])[-4:]
+    assert all(alone[i] == hf_greedy(hf, items[i][0], items[i][1]) for i in longest)
+    with LLM(gguf_engine, **settings) as llm:
+        results = run_arriving_over_time(llm, items, seed=9)
+        stats = llm.stats()
+        llm.executor.scheduler.check_integrity()
+    assert results == alone
+    assert stats.kv.prefix_cache_hit_tokens > 0
+
+
+def test_the_onnx_graph_for_tensorrt_applies_the_window(mistral_dir: Path, folder_engine: Path, tmp_path: Path) -> None:
+    """The step graph the TensorRT backend builds from, run by onnxruntime: greedy past the
+    window, chunked, equals transformers."""
+    from ifb.builder.export_onnx import export_onnx
+    from ifb.runtime.step.backend import load_network
+    from ifb.runtime.step.onnx_step import OnnxStep
+
+    engine = Engine.load(folder_engine, StepMode.REFERENCE)
+    network = load_network(engine.config, reference_ops=False)
+    engine.backend = OnnxStep(export_onnx(network, engine.config.limits, engine.kv_cache, tmp_path / "step.onnx"))
+    hf = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
+    for prompt in prompts(engine.config.spec.vocab_size, [23, 40], seed=7):
+        assert greedy_generate(engine, prompt, 16, chunk=16) == hf_greedy(hf, prompt, 16)
