@@ -102,7 +102,8 @@ def test_gguf_engine_keeps_blocks_and_equals_transformers_gguf_loader(mistral_gg
 def test_the_gguf_key_decides_the_window(mistral_gguf: Path, tmp_path: Path) -> None:
     """A Llama-arch GGUF declaring `llama.attention.sliding_window` reads as Mistral with it;
     without the key (how llama.cpp writes every Mistral) it reads as the Llama it then is, with
-    no window (as llama.cpp runs it), not MistralConfig's default 4096."""
+    no window (as llama.cpp runs it), not MistralConfig's default 4096. A Phi-3 file's window is
+    read too (transformers' GGUF reader drops it; the checkpoint's own applies in transformers)."""
     from ifb.builder.hf_config import model_spec_from_hf_config
 
     windowed = gguf_config(mistral_gguf)
@@ -110,6 +111,9 @@ def test_the_gguf_key_decides_the_window(mistral_gguf: Path, tmp_path: Path) -> 
     plain = write_hf_checkpoint(tmp_path / "plain", "mistral", seed=8)
     config = gguf_config(write_gguf(tmp_path / "plain.gguf", plain))
     assert config.model_type == "llama" and model_spec_from_hf_config(config).sliding_window is None
+    phi3 = write_hf_checkpoint(tmp_path / "phi3", "phi3", seed=6, sliding_window=16)  # `phi3.attention.sliding_window`
+    config = gguf_config(write_gguf(tmp_path / "phi3.gguf", phi3))
+    assert (config.model_type, model_spec_from_hf_config(config).sliding_window) == ("phi3", 16)
 
 
 def _last_logits(engine: Engine, steps: list[list[RequestSlice]]) -> torch.Tensor:
