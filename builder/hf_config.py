@@ -85,8 +85,8 @@ def _sliding_window(config: Any) -> int | None:
     for later Mistrals): each query attends to its last `window` keys, on every layer, as
     transformers' MistralModel and Phi3Model mask them."""
     window = getattr(config, "sliding_window", None) if config.model_type in WINDOW_ARCHITECTURES else None
-    if window is not None and int(window) < 1:
-        raise UnsupportedModelError(f"{config.model_type} sliding_window must be >= 1, got {window}")
+    if window is not None and int(window) < 0:
+        raise UnsupportedModelError(f"{config.model_type} sliding_window must be >= 0 (0: none), got {window}")
     return int(window) if window else None
 
 

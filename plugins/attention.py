@@ -166,8 +166,8 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every packed query over its own request's blocks (the last `window`
-    of them only, with a sliding window).
+    """Causal attention of every packed query over its own request's blocks (over its last
+    `window` keys only, with a sliding window).
 
     q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
     """
