@@ -35,6 +35,25 @@ class ModelSpec:
     # sliding-window causal mask). None: every earlier key. Engines built before the network
     # honoured it (Phi-3 only) had max_seq_len <= sliding_window, where the window cuts nothing.
     sliding_window: int | None = None
+    # Gemma 3: the layers the window skips (its global layers); every other layer slides
+    full_attention_layers: tuple[int, ...] = ()
+    # Gemma 3: the RoPE base of the sliding layers (rope_local_base_freq; default RoPE, no
+    # scaling); the full-attention layers take the engine's stored inv_freq. None: one table.
+    local_rope_theta: float | None = None
+    # Gemma 3's other differences from Llama, each defaulted to Llama's behaviour
+    hidden_act: str = "silu"  # the MLP gate's activation: silu or gelu_pytorch_tanh (GeGLU)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight), in fp32 (Gemma: 1)
+    embed_scale: float | None = None  # embeddings times this, rounded to the model dtype (sqrt(hidden))
+    sandwich_norms: bool = False  # an RMSNorm on the attention's and on the MLP's output too
+    attention_scale: float | None = None  # query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+
+    def layer_window(self, index: int) -> int | None:
+        """The attention window of layer `index` (None: every earlier key)."""
+        return None if index in self.full_attention_layers else self.sliding_window
+
+    def uses_local_rope(self, index: int) -> bool:
+        """Whether layer `index` rotates by the local (sliding-layer) table."""
+        return self.local_rope_theta is not None and index not in self.full_attention_layers
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,4 +63,5 @@ class ModelSpec:
         data = dict(data)
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["no_rope_layers"] = tuple(data.get("no_rope_layers", ()))
+        data["full_attention_layers"] = tuple(data.get("full_attention_layers", ()))
         return cls(**data)

@@ -13,7 +13,7 @@ from ifb.runtime.engine_format import BackendKind, EngineConfig
 from ifb.runtime.engine_format.weights_file import map_weights
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step.kernels import load_engine_kernels
-from ifb.runtime.step.network import StepNetwork, attention_ops, rotary_tables
+from ifb.runtime.step.network import StepNetwork, attention_ops, rope_constants
 from ifb.runtime.step.step_inputs import StepInputs
 
 
@@ -79,9 +79,10 @@ def step_constants(config: EngineConfig) -> dict[str, torch.Tensor]:
     """What a package compiled without its weights needs: the mapped weights file (no copy) and
     the rotary tables the network computes from its inv_freq."""
     constants = map_weights(config.weights_path)
-    cos, sin = rotary_tables(constants.pop("rope.inv_freq"), config.rope_scaling, config.limits.max_seq_len)
+    inv_freq = constants.pop("rope.inv_freq")
+    tables = rope_constants(config.spec, inv_freq, config.rope_scaling, config.limits.max_seq_len)
     dtype = getattr(torch, config.dtype)
-    return {**constants, "rope_cos": cos.to(dtype), "rope_sin": sin.to(dtype)}
+    return {**constants, **{name: table.to(dtype) for name, table in tables.items()}}
 
 
 def _tensorrt_step(config: EngineConfig) -> StepBackend:

@@ -75,15 +75,37 @@ def rotary_tables(inv_freq: torch.Tensor, rope_scaling: float, max_seq_len: int)
     return angles.cos() * rope_scaling, angles.sin() * rope_scaling
 
 
+def rope_constants(
+    spec: ModelSpec, inv_freq: torch.Tensor, rope_scaling: float, max_seq_len: int
+) -> dict[str, torch.Tensor]:
+    """Every rotary table the network holds, by buffer name: rope_cos/rope_sin from the stored
+    inv_freq, and for a model whose sliding layers rotate by their own base (Gemma 3's
+    rope_local_base_freq, default RoPE as transformers computes it) rope_local_cos/rope_local_sin."""
+    cos, sin = rotary_tables(inv_freq, rope_scaling, max_seq_len)
+    tables = {"rope_cos": cos, "rope_sin": sin}
+    if spec.local_rope_theta is not None:
+        dims = 2 * inv_freq.shape[-1]
+        exponents = torch.arange(0, dims, 2, dtype=torch.int64, device="cpu").float() / dims
+        local_inv_freq = 1.0 / (spec.local_rope_theta**exponents)
+        tables["rope_local_cos"], tables["rope_local_sin"] = rotary_tables(local_inv_freq, 1.0, max_seq_len)
+    return tables
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Llama's RMSNorm (weight times the normed input rounded to its dtype); with an offset,
+    Gemma's: the normed input times (offset + weight), in fp32, then rounded."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (self.weight.float() + self.offset)).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -99,21 +121,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps, rotary: bool = True) -> None:
+    def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps, index: int) -> None:
         super().__init__()
-        self.rotary = rotary  # False in SmolLM3's NoPE layers: positions reach them only causally
+        self.rotary = index not in spec.no_rope_layers  # SmolLM3's NoPE layers: positions reach them only causally
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         self.qkv = nn.Linear(spec.hidden_size, q_dim + 2 * kv_dim, bias=spec.attention_bias)
         self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=False)
         self.block_size = block_size
-        self.scale = spec.head_dim**-0.5
-        self.window = spec.sliding_window  # Mistral, Phi-3: each query sees its last `window` keys
+        self.scale = spec.attention_scale or spec.head_dim**-0.5
+        # Mistral, Phi-3, Gemma 3's local layers: each query sees its last `window` keys
+        self.window = spec.layer_window(index)
         self.ops = ops
-        # Qwen3 normalizes each head's q and k before RoPE; an identity keeps one forward for all
-        self.q_norm: nn.Module = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
-        self.k_norm: nn.Module = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
+        # Qwen3, Gemma 3 normalize each head's q and k before RoPE; an identity keeps one forward for all
+        self.q_norm: nn.Module = _norm_or_identity(spec, spec.head_dim, spec.qk_norm)
+        self.k_norm: nn.Module = _norm_or_identity(spec, spec.head_dim, spec.qk_norm)
 
     def forward(
         self,
@@ -138,25 +161,43 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_dim))
 
 
+def _norm_or_identity(spec: ModelSpec, dim: int, present: bool) -> nn.Module:
+    return RMSNorm(dim, spec.rms_norm_eps, spec.norm_weight_offset) if present else nn.Identity()
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
 class MLP(nn.Module):
+    """SwiGLU (Llama), or GeGLU with gelu's tanh approximation (Gemma 3)."""
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.intermediate_size = spec.intermediate_size
+        self.act = ACTIVATIONS[spec.hidden_act]
         self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split([self.intermediate_size, self.intermediate_size], dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, block_size: int, ops: AttentionOps, index: int) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, block_size, ops, rotary=index not in spec.no_rope_layers)
-        self.post_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.local_rope = spec.uses_local_rope(index)  # Gemma 3's sliding layers: their own RoPE base
+        self.input_norm = _norm_or_identity(spec, spec.hidden_size, True)
+        self.attn = Attention(spec, block_size, ops, index)
+        self.post_norm = _norm_or_identity(spec, spec.hidden_size, True)  # before the MLP
         self.mlp = MLP(spec)
+        # Gemma 3's sandwich: the attention's and the MLP's outputs normed before each residual add
+        self.attn_out_norm = _norm_or_identity(spec, spec.hidden_size, spec.sandwich_norms)
+        self.mlp_out_norm = _norm_or_identity(spec, spec.hidden_size, spec.sandwich_norms)
 
     def forward(
         self,
@@ -169,8 +210,9 @@ class DecoderLayer(nn.Module):
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, positions, slot_mapping, layout, k_pool, v_pool)
-        return x + self.mlp(self.post_norm(x))
+        attended = self.attn(self.input_norm(x), cos, sin, positions, slot_mapping, layout, k_pool, v_pool)
+        x = x + self.attn_out_norm(attended)
+        return x + self.mlp_out_norm(self.mlp(self.post_norm(x)))
 
 
 class StepNetwork(nn.Module):
@@ -199,7 +241,7 @@ class StepNetwork(nn.Module):
         self.weight_compute = WeightCompute(weight_compute)  # how the block-format layers multiply
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, block_size, ops, index) for index in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = _norm_or_identity(spec, spec.hidden_size, True)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -209,13 +251,17 @@ class StepNetwork(nn.Module):
             self._store_embedding(self.weight_formats[EMBED_KEY])
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.rope_local_cos: torch.Tensor  # only where spec.local_rope_theta is set
+        self.rope_local_sin: torch.Tensor
+        local_tables = ("rope_local_cos", "rope_local_sin") if spec.local_rope_theta is not None else ()
+        for name in ("rope_cos", "rope_sin", *local_tables):
+            self.register_buffer(name, torch.empty(0), persistent=False)
         self.set_rope(inv_freq, rope_scaling, max_seq_len)
 
     def set_rope(self, inv_freq: torch.Tensor, rope_scaling: float, max_seq_len: int) -> None:
         """(Re)compute the rotary tables on the CPU (a network built on the meta device calls it again)."""
-        self.rope_cos, self.rope_sin = rotary_tables(inv_freq, rope_scaling, max_seq_len)
+        for name, table in rope_constants(self.spec, inv_freq, rope_scaling, max_seq_len).items():
+            setattr(self, name, table)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Assign a stored state (the network may have been built on the meta device): every tensor
@@ -274,10 +320,16 @@ class StepNetwork(nn.Module):
             context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens
         )
         x = self.embed(input_ids)
+        if self.spec.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers
+            x = x * torch.full((), self.spec.embed_scale, dtype=x.dtype, device=x.device)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
+        if self.spec.local_rope_theta is not None:
+            local_cos = self.rope_local_cos[positions].to(x.dtype)
+            local_sin = self.rope_local_sin[positions].to(x.dtype)
         for index, layer in enumerate(self.layers):
             k_pool, v_pool = kv_pools[2 * index], kv_pools[2 * index + 1]
-            x = layer(x, cos, sin, positions, slot_mapping, layout, k_pool, v_pool)
+            layer_cos, layer_sin = (local_cos, local_sin) if layer.local_rope else (cos, sin)
+            x = layer(x, layer_cos, layer_sin, positions, slot_mapping, layout, k_pool, v_pool)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
