@@ -29,11 +29,18 @@ _FUSED_LAYER_LINEARS = {
 }
 FUSED_ARCHITECTURES = ("phi3",)
 _LAYER_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+# Gemma 3's four: its post_attention_layernorm norms the attention's output, pre_feedforward the MLP's input
+_SANDWICH_NORMS = {
+    "input_norm": "input_layernorm",
+    "attn_out_norm": "post_attention_layernorm",
+    "post_norm": "pre_feedforward_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+}
 _TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 class CheckpointTensors:
-    """The tensors of an HF Llama/Mistral/Qwen2/Qwen3/Phi-3 checkpoint folder, read on demand (all dense)."""
+    """The tensors of an HF Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 3 checkpoint folder, read on demand (all dense)."""
 
     def __init__(self, folder: Path, spec: ModelSpec) -> None:
         from safetensors import SafetensorError, safe_open
@@ -71,8 +78,9 @@ class CheckpointTensors:
             "embed.weight": ("model.embed_tokens.weight",),
             "norm.weight": ("model.norm.weight",),
         }
+        layer_norms = _SANDWICH_NORMS if self.spec.sandwich_norms else _LAYER_NORMS
         for i in range(self.spec.num_layers):
-            for ours, theirs in _LAYER_NORMS.items():
+            for ours, theirs in layer_norms.items():
                 parts[f"layers.{i}.{ours}.weight"] = (f"model.layers.{i}.{theirs}.weight",)
             if self.spec.qk_norm:
                 for norm in ("q_norm", "k_norm"):

@@ -39,6 +39,11 @@ _LAYER_LINEARS = {
 _FUSED_LAYER_LINEARS = {**_LAYER_LINEARS, "attn.qkv": ("attn_qkv",), "mlp.gate_up": ("ffn_up",)}
 FUSED_ARCHITECTURES = ("phi3",)
 _LAYER_NORMS = {"input_norm": "attn_norm", "post_norm": "ffn_norm"}
+# llama.cpp's Gemma 3 names for the sandwich's output norms (ffn_norm stays the MLP's input norm)
+_SANDWICH_NORMS = {**_LAYER_NORMS, "attn_out_norm": "post_attention_norm", "mlp_out_norm": "post_ffw_norm"}
+# llama.cpp's Gemma converters store every RMSNorm weight as (1 + w), the scale its graph
+# multiplies by; our network adds the 1 itself (ModelSpec.norm_weight_offset), so it is taken off
+NORM_SHIFTED_ARCHITECTURES = ("gemma3",)
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 
 
@@ -57,8 +62,9 @@ def linear_parts(spec: ModelSpec, tensor_names: set[str]) -> dict[str, tuple[str
 def dense_parts(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
     """Our non-linear tensor names (norms, biases, the embedding table) -> GGUF tensor names."""
     parts: dict[str, tuple[str, ...]] = {"embed.weight": ("token_embd.weight",), "norm.weight": ("output_norm.weight",)}
+    layer_norms = _SANDWICH_NORMS if spec.sandwich_norms else _LAYER_NORMS
     for i in range(spec.num_layers):
-        for ours, theirs in _LAYER_NORMS.items():
+        for ours, theirs in layer_norms.items():
             parts[f"layers.{i}.{ours}.weight"] = (f"blk.{i}.{theirs}.weight",)
         if spec.qk_norm:
             for norm in ("q_norm", "k_norm"):
@@ -101,6 +107,7 @@ class GgufTensors:
         self._tensors: dict[str, Any] = {t.name: t for t in self._reader.tensors}
         self.spec = spec
         self.permute = _architecture(self._reader) in PERMUTED_ARCHITECTURES
+        self.norm_shift = 1.0 if _architecture(self._reader) in NORM_SHIFTED_ARCHITECTURES else 0.0
         self.linears = linear_parts(spec, set(self._tensors))
         self.dense = dense_parts(spec)
         missing = sorted(
@@ -132,6 +139,8 @@ class GgufTensors:
         values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))  # F32 comes back as the mapping
         self._release(tensor)
+        if self.norm_shift and name.endswith("norm.weight"):
+            out = out - self.norm_shift
         return self._unpermuted(name, out)
 
     def _release(self, tensor: Any) -> None:

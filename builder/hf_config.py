@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ifb.builder.errors import UnsupportedModelError
 from ifb.runtime.engine_format import ModelSpec
 
+GEMMA3 = "gemma3_text"
 # model_type -> whether q/k/v projections carry a bias
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "llama": False,  # Llama 2/3, SmolLM/SmolLM2, TinyLlama
@@ -15,8 +17,9 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "qwen3": False,  # dense Qwen3 (0.6B-32B): per-head q/k RMSNorm, no bias
     "smollm3": False,  # SmolLM3: Llama with every 4th layer's RoPE left out (NoPE)
     "phi3": False,  # Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate_up, LongRoPE, partial rotary
+    GEMMA3: False,  # Gemma 3 text: local (windowed) and global layers, GeGLU, (1 + w) norms
 }
-QK_NORM_ARCHITECTURES = ("qwen3",)
+QK_NORM_ARCHITECTURES = ("qwen3", GEMMA3)
 # transformers applies these configs' `sliding_window` on every layer (the network honours it);
 # Qwen2/Qwen3/SmolLM3 apply theirs on the layers `layer_types` names only (refused)
 WINDOW_ARCHITECTURES = ("mistral", "phi3")
@@ -40,22 +43,80 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
             f"architecture {archs[0]!r} (model_type={model_type!r}) is not supported; "
             f"supported model types: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
-    rope = getattr(config, "rope_parameters", None) or {}
+    rope = global_rope_parameters(config)
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    if model_type == GEMMA3:
+        return _gemma3_spec(config, _common_spec(config))
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
-    sliding_layers = [
-        i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind == "sliding_attention"
-    ]
+    sliding_layers = _sliding_layers(config)
     if sliding_layers and model_type not in WINDOW_ARCHITECTURES:
         raise UnsupportedModelError(
             f"sliding-window attention on layers {sliding_layers} only ({model_type} layer_types) is not supported; "
             "only a window on every layer (Mistral, Phi-3)"
         )
+    return _common_spec(config)
+
+
+def global_rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE parameters of the layers that take the engine's stored inv_freq: Gemma 3 keeps
+    one dict per layer type (its full-attention layers' here), every other model one dict."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if config.model_type == GEMMA3:
+        return dict(rope.get(gemma3_global_layer_type(config)) or {})
+    return dict(rope)
+
+
+def gemma3_global_layer_type(config: Any) -> str:
+    """The layer type whose RoPE the stored inv_freq holds: the full-attention layers', or the
+    sliding ones' where every layer slides (then no second table)."""
+    return "full_attention" if "full_attention" in (config.layer_types or ()) else "sliding_attention"
+
+
+def _sliding_layers(config: Any) -> list[int]:
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind == "sliding_attention"]
+
+
+def _gemma3_spec(config: Any, spec: ModelSpec) -> ModelSpec:
+    """Gemma 3 text (transformers' Gemma3TextModel): interleaved local (sliding-window) and
+    global layers, each kind with its own RoPE base; refuses what the network does not apply."""
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, field, None) is not None:
+            raise UnsupportedModelError(f"gemma3 {field}={getattr(config, field)} is not supported (only None)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("gemma3 use_bidirectional_attention is not supported (causal only)")
+    activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(
+            f"gemma3 hidden_activation {activation!r} is not supported; only 'gelu_pytorch_tanh'"
+        )
+    sliding = _sliding_layers(config)
+    window = int(config.sliding_window) if sliding and config.sliding_window else None
+    local_rope = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention") or {}
+    if sliding and local_rope.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(
+            f"gemma3 sliding layers' rope_type {local_rope['rope_type']!r} is not supported; only 'default'"
+        )
+    full = tuple(i for i in range(spec.num_layers) if i not in sliding)
+    return replace(
+        spec,
+        sliding_window=window,
+        full_attention_layers=full if window is not None else (),
+        local_rope_theta=float(local_rope["rope_theta"]) if sliding and full else None,
+        hidden_act=activation,
+        norm_weight_offset=1.0,
+        embed_scale=float(spec.hidden_size) ** 0.5,
+        sandwich_norms=True,
+        attention_scale=float(config.query_pre_attn_scalar) ** -0.5,
+    )
+
+
+def _common_spec(config: Any) -> ModelSpec:
+    model_type = config.model_type
     num_heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     bias = SUPPORTED_ARCHITECTURES[model_type] or bool(getattr(config, "attention_bias", False))

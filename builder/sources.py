@@ -171,6 +171,8 @@ def gguf_config(path: Path) -> Any:
         config.head_dim = int(key_length.contents())
     if architecture == "phi3":
         _phi3_rope(config, reader)
+    if architecture == "gemma3":
+        _gemma3_fields(config, reader)
     return _with_sliding_window(config, reader, architecture)
 
 
@@ -194,6 +196,28 @@ def _with_sliding_window(config: Any, reader: Any, architecture: str) -> Any:
     if config.model_type in WINDOW_ARCHITECTURES:
         config.sliding_window = window or None
     return config
+
+
+def _gemma3_fields(config: Any, reader: Any) -> None:
+    """What llama.cpp's Gemma 3 graph takes that transformers' GGUF reader leaves at its defaults:
+    the attention scale (llama.cpp: head_dim ** -0.5, hidden/heads for the 62-layer 27B, as
+    query_pre_attn_scalar), the global layers' linear RoPE scaling (`rope.scaling.type`/`factor`,
+    the 4B-27B's 8x), and the local layers' base where the file declares one (`rope.freq_base_swa`;
+    llama.cpp assumes 10000, transformers' default too). The local/global pattern is llama.cpp's
+    fixed one, every 6th layer global, which is transformers' default for the same config."""
+    if config.num_hidden_layers == 62:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+    rope = {kind: dict(params) for kind, params in config.rope_parameters.items()}
+    scaling = reader.fields.get("gemma3.rope.scaling.type")
+    factor = reader.fields.get("gemma3.rope.scaling.factor")
+    if scaling is not None and scaling.contents() == "linear" and factor is not None:
+        rope["full_attention"].update(rope_type="linear", factor=float(factor.contents()))
+    local_base = reader.fields.get("gemma3.rope.freq_base_swa")
+    if local_base is not None:
+        rope["sliding_attention"]["rope_theta"] = float(local_base.contents())
+    config.rope_parameters = rope
 
 
 def _phi3_rope(config: Any, reader: Any) -> None:

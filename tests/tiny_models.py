@@ -1,5 +1,5 @@
 """Tiny seeded random checkpoints written as real files: HF folders (Llama, Mistral, Qwen2, Qwen3,
-SmolLM3, Phi-3) and GGUFs."""
+SmolLM3, Phi-3, Gemma 3) and GGUFs."""
 
 from __future__ import annotations
 
@@ -78,6 +78,13 @@ def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
     if architecture == "phi3":
         # no pad id (its default, 32000, is past the tiny vocabulary); no window unless asked
         return Phi3Config(**{"pad_token_id": None, "sliding_window": None, **common})
+    if architecture == "gemma3_text":
+        from transformers import Gemma3TextConfig
+
+        # tied, as every Gemma 3; head_dim 16 of 4 heads; six layers, llama.cpp's fixed pattern
+        # (five local, then one global) unless layer_types says otherwise
+        gemma: dict[str, Any] = dict(head_dim=16, num_hidden_layers=6, tie_word_embeddings=True, pad_token_id=0)
+        return Gemma3TextConfig(**{**common, **gemma, **overrides})
     raise ValueError(architecture)
 
 
@@ -167,7 +174,8 @@ def write_gguf(
     state = load_file(str(hf_folder / "model.safetensors"))
     architecture = config.model_type
     # llama.cpp's converter writes Mistral as arch llama; transformers tells it by its name
-    gguf_architecture = "llama" if architecture == "mistral" else architecture
+    gguf_architecture = {"mistral": "llama", "gemma3_text": "gemma3"}.get(architecture, architecture)
+    gemma = gguf_architecture == "gemma3"
     writer = gguf.GGUFWriter(str(path), gguf_architecture)
     writer.add_name(f"tiny-{architecture}")
     writer.add_context_length(config.max_position_embeddings)
@@ -179,7 +187,11 @@ def write_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope_parameters = config.rope_parameters["full_attention"] if gemma else config.rope_parameters
+    writer.add_rope_freq_base(float(rope_parameters["rope_theta"]))
+    if gemma and rope_parameters.get("rope_type") == "linear":  # as llama.cpp's Gemma 3 converter
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope_parameters["factor"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "sliding_window", None):  # `{arch}.attention.sliding_window`
         writer.add_sliding_window(config.sliding_window)
@@ -227,6 +239,14 @@ def write_gguf(
         "self_attn.q_norm.weight": "attn_q_norm.weight",
         "self_attn.k_norm.weight": "attn_k_norm.weight",
     }
+    if gemma:  # llama.cpp's Gemma 3 names: four norms a layer
+        per_layer.update(
+            {
+                "post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+            }
+        )
     permuted = gguf_architecture == "llama"  # llama.cpp's converter permutes Llama's q/k rows only
 
     overrides = tensor_types or {}
@@ -246,6 +266,8 @@ def write_gguf(
 
     for name, tensor in state.items():
         array = tensor.float().numpy()
+        if gemma and name.endswith("norm.weight"):  # llama.cpp's Gemma converter stores 1 + w
+            array = array + 1
         if name in names:
             add(names[name], array, embed_type if name == "model.embed_tokens.weight" else linear_type)
             continue
