@@ -88,12 +88,15 @@ def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
     raise ValueError(architecture)
 
 
-def write_hf_checkpoint(folder: Path, architecture: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """A random model as config.json + model.safetensors + tokenizer files."""
+def write_hf_checkpoint(
+    folder: Path, architecture: str = "llama", seed: int = 0, vocab_size: int | None = None, **overrides: Any
+) -> Path:
+    """A random model as config.json + model.safetensors + tokenizer files (the tiny tokenizer;
+    `vocab_size`, default its size, may be larger, as bench/families.py's real-shaped models)."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = tiny_tokenizer()
-    config = tiny_config(architecture, len(tokenizer), **overrides)
+    config = tiny_config(architecture, vocab_size or len(tokenizer), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
