@@ -21,8 +21,9 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
 }
 QK_NORM_ARCHITECTURES = ("qwen3", GEMMA3)
 # transformers applies these configs' `sliding_window` on every layer (the network honours it);
-# Qwen2/Qwen3/SmolLM3 apply theirs on the layers `layer_types` names only (refused)
 WINDOW_ARCHITECTURES = ("mistral", "phi3")
+# these on the layers `layer_types` names only (ModelSpec.full_attention_layers: the others)
+LAYER_TYPES_WINDOW_ARCHITECTURES = ("qwen2", "qwen3", "smollm3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
@@ -53,13 +54,21 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
         return _gemma3_spec(config, _common_spec(config))
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
-    sliding_layers = _sliding_layers(config)
-    if sliding_layers and model_type not in WINDOW_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"sliding-window attention on layers {sliding_layers} only ({model_type} layer_types) is not supported; "
-            "only a window on every layer (Mistral, Phi-3)"
-        )
-    return _common_spec(config)
+    spec = _common_spec(config)
+    return _layer_types_window(config, spec) if model_type in LAYER_TYPES_WINDOW_ARCHITECTURES else spec
+
+
+def _layer_types_window(config: Any, spec: ModelSpec) -> ModelSpec:
+    """Qwen2/Qwen3/SmolLM3: `sliding_window` on the layers `layer_types` calls sliding, where
+    `use_sliding_window` is set (as their transformers attention: the window is None otherwise)."""
+    sliding = _sliding_layers(config)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
+    if not sliding or not window:
+        return spec
+    if int(window) < 0:
+        raise UnsupportedModelError(f"{config.model_type} sliding_window must be >= 0 (0: none), got {window}")
+    full = tuple(i for i in range(spec.num_layers) if i not in sliding)
+    return replace(spec, sliding_window=int(window), full_attention_layers=full)
 
 
 def global_rope_parameters(config: Any) -> dict[str, Any]:

@@ -129,14 +129,6 @@ def test_smollm3_nope_layers_are_recorded_and_greedy_equals_transformers(smollm3
         assert greedy_generate(engine, prompt, 24, chunk=16) == expected
 
 
-def test_smollm3_with_a_sliding_window_is_refused(tmp_path: Path) -> None:
-    from ifb.builder.errors import UnsupportedModelError
-
-    folder = write_hf_checkpoint(tmp_path / "sliding", "smollm3", use_sliding_window=True, sliding_window=32)
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
-        build_engine(folder, tmp_path / "engine", BuildOptions(dtype="fp32", **TINY_LIMITS))
-
-
 def _hf_config_with_head_dim(path: Path) -> object:
     """The oracle's config: transformers' GGUF reader ignores key_length (see builder/sources.py)."""
     from ifb.builder.sources import gguf_config

@@ -236,17 +236,3 @@ def test_the_onnx_graph_for_tensorrt_applies_the_window(mistral_dir: Path, folde
     hf = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
     for prompt in prompts(engine.config.spec.vocab_size, [23, 40], seed=7):
         assert greedy_generate(engine, prompt, 16, chunk=16) == hf_greedy(hf, prompt, 16)
-
-
-def test_a_window_on_some_layers_only_is_refused_naming_them() -> None:
-    """Qwen2 (and Qwen3, SmolLM3) slide only the layers `layer_types` names: refused, where it
-    used to build silently without the window; with no sliding layer it builds, windowless."""
-    from tiny_models import tiny_config
-
-    from ifb.builder.errors import UnsupportedModelError
-    from ifb.builder.hf_config import model_spec_from_hf_config
-
-    windowed = dict(use_sliding_window=True, sliding_window=WINDOW)
-    with pytest.raises(UnsupportedModelError, match=r"sliding-window attention on layers \[1\] only"):
-        model_spec_from_hf_config(tiny_config("qwen2", 320, max_window_layers=1, **windowed))
-    assert model_spec_from_hf_config(tiny_config("qwen2", 320, max_window_layers=2, **windowed)).sliding_window is None
