@@ -6,12 +6,19 @@ import threading
 from collections.abc import Callable
 
 from ifb.runtime.errors import AdmissionError, QueueFullError
+from ifb.runtime.windowed_kv_cache_manager import NULL_BLOCKS, SlidingWindowBlocks
 
 
 def check_prompt(
-    num_prompt_tokens: int, max_tokens: int | None, max_seq_len: int, max_blocks: int, block_size: int
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_seq_len: int,
+    max_blocks: int,
+    block_size: int,
+    window: SlidingWindowBlocks | None = None,
 ) -> None:
-    """Refuse what can never run; names the field and both numbers."""
+    """Refuse what can never run; names the field and both numbers. With `window` (every layer
+    slides) a request holds at most its window's blocks at once, beside the null block."""
     if num_prompt_tokens == 0:
         raise AdmissionError("prompt is empty", field="prompt")
     if num_prompt_tokens >= max_seq_len:
@@ -27,7 +34,10 @@ def check_prompt(
             field="max_tokens",
         )
     total = num_prompt_tokens + (max_tokens or 1)
-    if -(-total // block_size) > max_blocks:
+    needed = -(-total // block_size)
+    if window is not None:
+        needed, max_blocks = window.max_blocks_held(total), max_blocks - NULL_BLOCKS
+    if needed > max_blocks:
         raise AdmissionError(
             f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds ({max_blocks})",
             field="max_tokens",

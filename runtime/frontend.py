@@ -27,6 +27,7 @@ from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.runtime_config import RuntimeConfig
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.unicode_text import require_unicode, require_unicode_strings
+from ifb.runtime.windowed_kv_cache_manager import SlidingWindowBlocks
 
 Prompt = str | list[int]
 
@@ -56,6 +57,10 @@ class Frontend:
         self._grammar_lock = threading.Lock()
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
+        limits = engine.limits
+        self.kv_window = SlidingWindowBlocks.for_model(
+            engine.spec, limits.block_size, limits.max_seq_len, config.max_num_tokens
+        )
 
     def token_text(self, token_id: int) -> str:
         """One token as text (logprobs show it): its own decoding, special tokens included."""
@@ -108,7 +113,12 @@ class Frontend:
         limits = self.engine.limits
         params.check_vocab(self.engine.spec.vocab_size)
         check_prompt(
-            len(prompt_token_ids), params.max_tokens, limits.max_seq_len, self.config.num_kv_blocks, limits.block_size
+            len(prompt_token_ids),
+            params.max_tokens,
+            limits.max_seq_len,
+            self.config.num_kv_blocks,
+            limits.block_size,
+            self.kv_window,
         )
         room = limits.max_seq_len - len(prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)

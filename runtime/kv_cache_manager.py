@@ -6,7 +6,8 @@
     cached: sha256(parent key, salt, block's tokens) -> block_id (prefix_hash.py), for full, computed blocks
 
 A request's block_ids is its block table. Blocks are released tail-first so that the end of a
-prompt is evicted before its shared beginning.
+prompt is evicted before its shared beginning. A request keeps every block until it finishes;
+with a window on every layer, windowed_kv_cache_manager.py frees those that slid out of it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class KVCacheManager:
 
     def blocks_needed_to_completion(self, request: Request) -> int:
         return max(0, self.blocks_for_tokens(request.max_total_tokens) - len(request.block_ids))
+
+    def blocks_needed_to_admit(self, request: Request, prefix_block_ids: list[int]) -> int:
+        """Blocks a waiting request takes from the free list to completion: prefix hits another
+        request holds cost nothing (neither lets go of them before finishing)."""
+        total = self.blocks_for_tokens(request.max_total_tokens)
+        return total - len(prefix_block_ids) + self.num_free_among(prefix_block_ids)
 
     # -- prefix reuse -------------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -115,6 +122,10 @@ class KVCacheManager:
                 self._cached[hashes[index]] = block.block_id
         request.num_published_blocks = full
 
+    def advance(self, request: Request) -> None:
+        """After a step advanced the request's num_computed_tokens: publish its newly full blocks."""
+        self.publish(request)
+
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's block table to hold `num_new_tokens` more; False if the pool is short."""
@@ -130,21 +141,21 @@ class KVCacheManager:
         speculative drafts): private to the request, never published, so straight to the free list."""
         keep = self.blocks_for_tokens(num_tokens)
         while len(request.block_ids) > keep:
-            block_id = request.block_ids.pop()
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            self._release(request.block_ids.pop())
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first); cached ones stay reusable."""
         for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            self._release(block_id)
         request.block_ids = []
         request.num_published_blocks = 0
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; the last one puts the block at the free list's tail (evicted last)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
 
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -28,7 +28,6 @@ from ifb.runtime.executor import Executor
 from ifb.runtime.frontend import PreparedRequest, Prompt
 from ifb.runtime.frontend_client import FrontendClient
 from ifb.runtime.health_report import health_body
-from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.metrics import Metrics
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
 from ifb.runtime.policies import make_capacity_policy, make_chunking_policy
@@ -41,6 +40,7 @@ from ifb.runtime.step.engine import Engine
 from ifb.runtime.step_budget.budgets import FixedBudget, StepBudget, make_step_budget
 from ifb.runtime.step_budget.cost_model import StepCostModel
 from ifb.runtime.trace import TraceRecorder
+from ifb.runtime.windowed_kv_cache_manager import SlidingWindowBlocks, make_kv_cache_manager
 
 
 class LLM(FrontendClient):
@@ -64,7 +64,13 @@ class LLM(FrontendClient):
 
     def _make_scheduler(self) -> Scheduler:
         limits = self.engine_config.limits
-        kv = KVCacheManager(self.config.num_kv_blocks, limits.block_size, self.config.enable_prefix_reuse)
+        # With a window on every layer, blocks that slid out of it are freed as requests advance.
+        window = SlidingWindowBlocks.for_model(
+            self.engine_config.spec, limits.block_size, limits.max_seq_len, self.config.max_num_tokens
+        )
+        kv = make_kv_cache_manager(
+            self.config.num_kv_blocks, limits.block_size, self.config.enable_prefix_reuse, window
+        )
         # With --calibrate the budget is made once the engine is measured (_load_engine); until
         # then no step runs, so the fixed budget never schedules one.
         budget = FixedBudget() if self.config.calibrate else self._step_budget(self.engine_config.cost_model)

@@ -56,9 +56,7 @@ class GuaranteedNoEvict(_AdmitAnyStep):
 
     def can_admit(self, request: Request, prefix_hits: list[int], first_chunk: int, running: Sequence[Request]) -> bool:
         reserved = sum(self.kv.blocks_needed_to_completion(r) for r in running)
-        total = self.kv.blocks_for_tokens(request.max_total_tokens)
-        needed = total - len(prefix_hits) + self.kv.num_free_among(prefix_hits)
-        return needed <= self.kv.num_free_blocks - reserved
+        return self.kv.blocks_needed_to_admit(request, prefix_hits) <= self.kv.num_free_blocks - reserved
 
     def choose_victim(self, running: Sequence[Request]) -> Request | None:
         return None  # never preempts; admission reserved every block a request can need

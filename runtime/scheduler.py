@@ -2,9 +2,9 @@
 
 schedule() -> ScheduledBatch (decodes first, then prefill chunks, then admissions, then any
 speculative drafts the step can afford); update(batch, tokens) appends sampled tokens (several
-for a verified draft), applies token-level stops, publishes full blocks to the prefix cache and
-frees finished requests. Collaborators come in through the constructor, so a fake engine can
-drive it in tests.
+for a verified draft), applies token-level stops, publishes full blocks to the prefix cache (and
+frees those slid out of a window: kv.advance) and frees finished requests. Collaborators come
+in through the constructor, so a fake engine can drive it in tests.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ class Scheduler:
             if request.num_computed_tokens <= request.num_prompt_tokens:
                 self.stats.prompt_tokens += item.num_new_tokens
             if not item.sample:
-                self.kv.publish(request)
+                self.kv.advance(request)
                 continue
             self._count_draft(request, item.draft_token_ids, tokens)
             produced.append(request)
@@ -324,7 +324,7 @@ class Scheduler:
             else:
                 if item.draft_token_ids:
                     self.kv.release_beyond(request, request.num_tokens)
-                self.kv.publish(request)
+                self.kv.advance(request)
         return produced
 
     def _append(self, request: Request, tokens: Iterable[int]) -> FinishReason | None:

@@ -55,6 +55,7 @@ def test_the_scheduling_side_imports_no_torch() -> None:
     script = (
         "import sys\n"
         "import ifb.runtime.request, ifb.runtime.scheduler, ifb.runtime.policies, ifb.runtime.kv_cache_manager\n"
+        "import ifb.runtime.windowed_kv_cache_manager, ifb.runtime.admission\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'xgrammar', 'numpy')))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
