@@ -22,20 +22,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from greedy_loop import greedy_generate, hf_greedy
+from family_checks import assert_bitwise_invariant, assert_greedy_equals, build_fp32, gguf_oracle, last_logits
 from step_cases import prompts
-from test_model_families import assert_last_logits_close
-from tiny_models import TINY_LIMITS, tiny_config, write_gguf, write_hf_checkpoint
+from tiny_models import tiny_config, write_gguf, write_hf_checkpoint
 from transformers import AutoModelForCausalLM
 
-from ifb.builder.build import BuildOptions, build_engine
-from ifb.builder.errors import UnsupportedModelError
 from ifb.builder.hf_config import model_spec_from_hf_config
-from ifb.builder.sources import gguf_config, load_model, resolve_source
+from ifb.builder.sources import gguf_config
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
+from ifb.runtime.step.step_inputs import RequestSlice
 
 WINDOW = 8
 PROMPT_LENGTHS = [5, 23, 40]  # shorter than the window, and longer
@@ -63,38 +60,19 @@ def gemma_gguf(tmp_path_factory: pytest.TempPathFactory, gemma_dir: Path) -> Pat
     return write_gguf(path, gemma_dir, linear_type="Q8_0", embed_type="Q8_0")
 
 
-def _build(source: Path, output: Path) -> Path:
-    build_engine(source, output, BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
-    return output
-
-
 @pytest.fixture(scope="module")
 def folder_engine(tmp_path_factory: pytest.TempPathFactory, gemma_dir: Path) -> Path:
-    return _build(gemma_dir, tmp_path_factory.mktemp("engines") / "gemma3-fp32")
+    return build_fp32(gemma_dir, tmp_path_factory.mktemp("engines") / "gemma3-fp32")
 
 
 @pytest.fixture(scope="module")
 def gguf_engine(tmp_path_factory: pytest.TempPathFactory, gemma_gguf: Path) -> Path:
-    return _build(gemma_gguf, tmp_path_factory.mktemp("engines") / "gemma3-q8_0")
-
-
-def _gguf_oracle(path: Path) -> torch.nn.Module:
-    """transformers' Gemma3ForCausalLM on the GGUF's weights as its GGUF loader dequantizes them
-    (it takes the stored 1 off the norms too), with the config the builder reads."""
-    loaded = load_model(resolve_source(path))
-    model = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict)
-    return model.eval()
+    return build_fp32(gemma_gguf, tmp_path_factory.mktemp("engines") / "gemma3-q8_0")
 
 
 def _assert_greedy_equals(engine: Engine, hf: torch.nn.Module) -> None:
-    for prompt in prompts(engine.config.spec.vocab_size, PROMPT_LENGTHS, seed=7):
-        expected = hf_greedy(hf, prompt, 20)
-        assert greedy_generate(engine, prompt, 20) == expected
-        for chunk in (3, WINDOW + 1, 16):  # chunks that start inside, at and past a window
-            assert greedy_generate(engine, prompt, 20, chunk=chunk) == expected, chunk
-        assert_last_logits_close(engine, hf, prompt)
-        assert_last_logits_close(engine, hf, prompt + expected)  # 20 decodes on, deeper past the window
+    # chunks that start inside, at and past a window; then 20 decodes on, deeper past it
+    assert_greedy_equals(engine, hf, PROMPT_LENGTHS, 20, chunks=(3, WINDOW + 1, 16), deep=True)
 
 
 def test_the_spec_read_from_a_folder_and_from_a_gguf(gemma_dir: Path, gemma_gguf: Path) -> None:
@@ -131,38 +109,13 @@ def test_gguf_engine_keeps_blocks_and_equals_transformers_gguf_loader(gemma_gguf
     plain one on the global layer); the norms' stored 1 is taken off once."""
     config = EngineConfig.load(gguf_engine)
     assert config.kernels is not None and set(config.weight_formats.values()) == {"q8_0"}
-    _assert_greedy_equals(Engine.load(gguf_engine, StepMode.COMPILED), _gguf_oracle(gemma_gguf))
-
-
-def _last_logits(engine: Engine, steps: list[list[RequestSlice]]) -> torch.Tensor:
-    """Run `steps` from an empty cache; the last step's logits."""
-    engine.kv_cache.zero_()
-    for step in steps:
-        logits = engine.step(build_step_inputs(step, engine.config.limits.block_size))
-    return logits
+    _assert_greedy_equals(Engine.load(gguf_engine, StepMode.COMPILED), gguf_oracle(gemma_gguf))
 
 
 def test_logits_are_bitwise_batch_and_chunk_invariant(gemma_gguf: Path, gguf_engine: Path) -> None:
     """A prompt's last logits, bit for bit: alone; beside other prompts and a decode deep past
     the window; prefilled in two chunks split around window edges. Alone, transformers'."""
-    engine = Engine.load(gguf_engine, StepMode.COMPILED)
-    texts = prompts(engine.config.spec.vocab_size, [40, 23, 37, 90], seed=9)
-    hf = _gguf_oracle(gemma_gguf)
-    tables = [[30, 4, 17], [9, 22], [41, 1, 33], list(range(10, 16))]
-    whole = [RequestSlice(text, 0, table, True) for text, table in zip(texts[:3], tables, strict=False)]
-    alone = [_last_logits(engine, [[piece]])[0] for piece in whole]
-    long_prefill = RequestSlice(texts[3], 0, tables[3], True)
-    decode = RequestSlice([7], len(texts[3]), tables[3], True)  # 91 keys, window 8
-    beside = _last_logits(engine, [[long_prefill], [*whole[::-1], decode]])
-    assert torch.equal(beside[3], _last_logits(engine, [[long_prefill], [decode]])[0])
-    for row, (text, table) in enumerate(zip(texts[:3], tables, strict=False)):
-        with torch.no_grad():
-            expected = hf(torch.tensor([text])).logits[0, -1]
-        assert torch.allclose(alone[row], expected, atol=2e-5, rtol=0), row
-        assert torch.equal(beside[2 - row], alone[row]), f"prompt {row} batched"
-        for split in (1, WINDOW - 1, WINDOW, WINDOW + 1, 16, 17, len(text) - 1):
-            head, tail = RequestSlice(text[:split], 0, table, False), RequestSlice(text[split:], split, table, True)
-            assert torch.equal(_last_logits(engine, [[head], [tail]])[0], alone[row]), f"prompt {row} split {split}"
+    assert_bitwise_invariant(Engine.load(gguf_engine, StepMode.COMPILED), gguf_oracle(gemma_gguf), WINDOW)
 
 
 def test_compiled_eager_and_reference_paths_agree(folder_engine: Path, gguf_engine: Path) -> None:
@@ -177,16 +130,9 @@ def test_compiled_eager_and_reference_paths_agree(folder_engine: Path, gguf_engi
         RequestSlice([5], 50, [25, 11, 30, 7], True),
     ]
     for folder in (folder_engine, gguf_engine):
-        results = {mode: _last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
+        results = {mode: last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
         for mode in (StepMode.REFERENCE, StepMode.EAGER):
             assert (results[mode] - results[StepMode.COMPILED]).abs().max().item() < 1e-5, (folder.name, mode)
-
-
-@pytest.mark.parametrize("field", ["attn_logit_softcapping", "final_logit_softcapping"])
-def test_softcapping_is_refused_naming_it(field: str) -> None:
-    """Gemma 2's softcaps (None in every Gemma 3) are not implemented: refused, not ignored."""
-    with pytest.raises(UnsupportedModelError, match=field):
-        model_spec_from_hf_config(tiny_config("gemma3_text", 320, **{field: 30.0}))
 
 
 def test_layer_types_decide_the_windows_and_rope_tables() -> None:

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import assert_last_logits_close, build_fp32
 from greedy_loop import greedy_generate, hf_greedy
 from step_cases import prompts
-from test_model_families import assert_last_logits_close
-from tiny_models import TINY_LIMITS, tiny_config, write_hf_checkpoint
+from tiny_models import tiny_config, write_hf_checkpoint
 from transformers import AutoModelForCausalLM
 
-from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.hf_config import model_spec_from_hf_config
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
@@ -46,8 +45,7 @@ def test_the_layers_layer_types_calls_sliding_take_the_window() -> None:
 @pytest.mark.parametrize("architecture", sorted(WINDOWED))
 def test_a_window_on_some_layers_equals_transformers(architecture: str, tmp_path: Path) -> None:
     folder = write_hf_checkpoint(tmp_path / architecture, architecture, seed=5, **WINDOWED[architecture])
-    build_engine(folder, tmp_path / "engine", BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
-    engine = Engine.load(tmp_path / "engine", StepMode.COMPILED)
+    engine = Engine.load(build_fp32(folder, tmp_path / "engine"), StepMode.COMPILED)
     assert engine.config.spec.full_attention_layers == (0,)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt in prompts(engine.config.spec.vocab_size, [5, 23, 40], seed=7):

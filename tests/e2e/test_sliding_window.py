@@ -20,18 +20,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import (
+    assert_bitwise_invariant,
+    assert_greedy_equals,
+    assert_last_logits_close,
+    build_fp32,
+    gguf_oracle,
+    last_logits,
+    oracle_last_logits,
+)
 from greedy_loop import greedy_generate, hf_greedy
 from step_cases import prompts
-from test_model_families import assert_last_logits_close
-from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint
+from tiny_models import write_gguf, write_hf_checkpoint
 from transformers import AutoModelForCausalLM
 
-from ifb.builder.build import BuildOptions, build_engine
-from ifb.builder.sources import gguf_config, load_model, resolve_source
+from ifb.builder.sources import gguf_config
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
+from ifb.runtime.step.step_inputs import RequestSlice
 
 WINDOW = 8
 PROMPT_LENGTHS = [5, 23, 40]  # shorter than the window, and longer
@@ -49,38 +56,27 @@ def mistral_gguf(tmp_path_factory: pytest.TempPathFactory, mistral_dir: Path) ->
     return write_gguf(path, mistral_dir, linear_type="Q8_0", embed_type="Q8_0")
 
 
-def _build(source: Path, output: Path) -> Path:
-    build_engine(source, output, BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
-    return output
-
-
 @pytest.fixture(scope="module")
 def folder_engine(tmp_path_factory: pytest.TempPathFactory, mistral_dir: Path) -> Path:
-    return _build(mistral_dir, tmp_path_factory.mktemp("engines") / "mistral-fp32")
+    return build_fp32(mistral_dir, tmp_path_factory.mktemp("engines") / "mistral-fp32")
 
 
 @pytest.fixture(scope="module")
 def gguf_engine(tmp_path_factory: pytest.TempPathFactory, mistral_gguf: Path) -> Path:
-    return _build(mistral_gguf, tmp_path_factory.mktemp("engines") / "mistral-q8_0")
+    return build_fp32(mistral_gguf, tmp_path_factory.mktemp("engines") / "mistral-q8_0")
 
 
 def _gguf_oracle(path: Path) -> torch.nn.Module:
-    """transformers' MistralForCausalLM on the GGUF's weights as its GGUF loader dequantizes them
-    (builder's load_model: the loader maps no mistral tensors, so it reads the file as Llama)."""
-    loaded = load_model(resolve_source(path))
-    assert (loaded.hf_config.model_type, loaded.hf_config.sliding_window) == ("mistral", WINDOW)
-    model = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict)
+    """transformers' MistralForCausalLM on the GGUF's weights (the builder's load_model: its GGUF
+    loader maps no mistral tensors, so it reads the file as Llama), read as the windowed Mistral."""
+    model = gguf_oracle(path)
+    assert (model.config.model_type, model.config.sliding_window) == ("mistral", WINDOW)
     return model
 
 
 def _assert_greedy_equals(engine: Engine, hf: torch.nn.Module) -> None:
-    for prompt in prompts(engine.config.spec.vocab_size, PROMPT_LENGTHS, seed=7):
-        expected = hf_greedy(hf.eval(), prompt, 24)
-        assert greedy_generate(engine, prompt, 24) == expected
-        for chunk in (3, WINDOW + 1, 16):  # chunks that start inside, at and past a window
-            assert greedy_generate(engine, prompt, 24, chunk=chunk) == expected, chunk
-        assert_last_logits_close(engine, hf, prompt)
+    # chunks that start inside, at and past a window
+    assert_greedy_equals(engine, hf.eval(), PROMPT_LENGTHS, 24, chunks=(3, WINDOW + 1, 16))
 
 
 def test_folder_engine_records_the_window_and_equals_transformers(mistral_dir: Path, folder_engine: Path) -> None:
@@ -116,49 +112,19 @@ def test_the_gguf_key_decides_the_window(mistral_gguf: Path, tmp_path: Path) -> 
     assert (config.model_type, model_spec_from_hf_config(config).sliding_window) == ("phi3", 16)
 
 
-def _last_logits(engine: Engine, steps: list[list[RequestSlice]]) -> torch.Tensor:
-    """Run `steps` from an empty cache; the last step's logits."""
-    engine.kv_cache.zero_()
-    for step in steps:
-        logits = engine.step(build_step_inputs(step, engine.config.limits.block_size))
-    return logits
-
-
-def _oracle_last_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([token_ids])).logits[0, -1]
-
-
 def test_windowed_logits_are_bitwise_batch_chunk_and_prefix_invariant(mistral_gguf: Path, gguf_engine: Path) -> None:
     """A prompt's last logits, bit for bit: alone; beside other prompts and a decode deep past
     its window; prefilled in two chunks split around window edges; and after a reused prefix
     (its first two blocks written by another request, whose table it shares). Alone, they are
     transformers' (so a window ignored everywhere alike fails here too)."""
     engine = Engine.load(gguf_engine, StepMode.COMPILED)
-    vocab = engine.config.spec.vocab_size
-    texts = prompts(vocab, [40, 23, 37, 90], seed=9)
-    hf = _gguf_oracle(mistral_gguf).eval()
-    tables = [[30, 4, 17], [9, 22], [41, 1, 33], list(range(10, 16))]
-    whole = [RequestSlice(text, 0, table, True) for text, table in zip(texts[:3], tables, strict=False)]
-    alone = [_last_logits(engine, [[piece]])[0] for piece in whole]
-    long_text, long_table = texts[3], tables[3]
-    long_prefill = RequestSlice(long_text, 0, long_table, True)
-    decode = RequestSlice([7], len(long_text), long_table, True)  # 91 keys, window 8
-    beside = _last_logits(engine, [[long_prefill], [*whole[::-1], decode]])
-    decode_alone = _last_logits(engine, [[long_prefill], [decode]])[0]
-    assert torch.equal(beside[3], decode_alone)
-    assert torch.allclose(decode_alone, _oracle_last_logits(hf, [*long_text, 7]), atol=2e-5, rtol=0)
-    for row, (text, table) in enumerate(zip(texts[:3], tables, strict=False)):
-        assert torch.allclose(alone[row], _oracle_last_logits(hf, text), atol=2e-5, rtol=0), row
-        assert torch.equal(beside[2 - row], alone[row]), f"prompt {row} batched"
-        for split in (1, WINDOW - 1, WINDOW, WINDOW + 1, 16, 17, len(text) - 1):
-            head, tail = RequestSlice(text[:split], 0, table, False), RequestSlice(text[split:], split, table, True)
-            assert torch.equal(_last_logits(engine, [[head], [tail]])[0], alone[row]), f"prompt {row} split {split}"
+    alone = assert_bitwise_invariant(engine, _gguf_oracle(mistral_gguf), WINDOW)
+    texts = prompts(engine.config.spec.vocab_size, [40, 23], seed=9)  # assert_bitwise_invariant's first two
     # prefix reuse: prompt 0's first 32 tokens are another request's first two blocks
     shared = [5, 6]
     donor = RequestSlice(texts[0][:32] + texts[1][:5], 0, [*shared, 7], True)
     reused = RequestSlice(texts[0][32:], 32, [*shared, 44], True)
-    assert torch.equal(_last_logits(engine, [[donor], [reused]])[0], alone[0])
+    assert torch.equal(last_logits(engine, [[donor], [reused]])[0], alone[0])
 
 
 def test_compiled_eager_and_reference_paths_agree_past_the_window(
@@ -176,18 +142,18 @@ def test_compiled_eager_and_reference_paths_agree_past_the_window(
         RequestSlice([5], 50, [25, 11, 30, 7], True),
     ]
     folder_hf = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
-    for folder, hf in ((folder_engine, folder_hf), (gguf_engine, _gguf_oracle(mistral_gguf).eval())):
-        results = {mode: _last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
+    for folder, hf in ((folder_engine, folder_hf), (gguf_engine, _gguf_oracle(mistral_gguf))):
+        results = {mode: last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
         for mode in (StepMode.REFERENCE, StepMode.EAGER):
             assert (results[mode] - results[StepMode.COMPILED]).abs().max().item() < 1e-5, (folder.name, mode)
-        expected = torch.stack([_oracle_last_logits(hf, ids) for ids in (a, b, [*c, 5])])
+        expected = torch.stack([oracle_last_logits(hf, ids) for ids in (a, b, [*c, 5])])
         assert torch.allclose(results[StepMode.REFERENCE], expected, atol=2e-5, rtol=0), folder.name
 
 
 def test_phi3_window_applies_past_it_as_transformers(tmp_path: Path) -> None:
     """Phi-3's window used to bound max_seq_len; now an engine 16x longer than it applies it."""
     folder = write_hf_checkpoint(tmp_path / "phi3", "phi3", seed=6, sliding_window=16)
-    engine = Engine.load(_build(folder, tmp_path / "phi3-engine"), StepMode.COMPILED)
+    engine = Engine.load(build_fp32(folder, tmp_path / "phi3-engine"), StepMode.COMPILED)
     assert (engine.config.spec.sliding_window, engine.config.limits.max_seq_len) == (16, 256)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt in prompts(engine.config.spec.vocab_size, [9, 40], seed=7):
@@ -212,7 +178,7 @@ def test_in_flight_batching_with_prefix_reuse_equals_alone(
     items = workload(5)
     engine = Engine.load(gguf_engine, StepMode.COMPILED)
     alone = {i: greedy_generate(engine, prompt, n) for i, (prompt, n) in enumerate(items)}
-    hf = _gguf_oracle(mistral_gguf).eval()
+    hf = _gguf_oracle(mistral_gguf)
     longest = sorted(range(len(items)), key=lambda i: len(items[i][0]) + items[i][1])[-4:]
     assert all(alone[i] == hf_greedy(hf, items[i][0], items[i][1]) for i in longest)
     with LLM(gguf_engine, **settings) as llm:

@@ -1,0 +1,108 @@
+"""The checks every model family's end-to-end tests make against transformers, written once.
+
+A family test builds a tiny engine from an HF folder or a GGUF, then asks: is greedy output
+transformers' (whole and chunked), are the last logits within 2e-5 of its, and (on a
+block-quantized engine) are a prompt's logits bitwise the same alone, batched and chunked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from greedy_loop import greedy_generate, hf_greedy, scattered_blocks
+from step_cases import prompts
+from tiny_models import TINY_LIMITS
+from transformers import AutoModelForCausalLM
+
+from ifb.builder.build import BuildOptions, build_engine
+from ifb.builder.sources import load_model, resolve_source
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
+
+
+def build_fp32(source: Path, output: Path) -> Path:
+    """A tiny fp32 engine (block formats a GGUF holds are kept) at TINY_LIMITS."""
+    build_engine(source, output, BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
+    return output
+
+
+def gguf_oracle(path: Path) -> torch.nn.Module:
+    """transformers' model on a GGUF's weights as its GGUF loader dequantizes them, with the
+    config the builder reads (the builder's load_model), in eval mode."""
+    loaded = load_model(resolve_source(path))
+    model = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict)
+    return model.eval()
+
+
+def oracle_last_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0, -1]
+
+
+def assert_last_logits_close(engine: Engine, hf: torch.nn.Module, prompt: list[int]) -> None:
+    """The prompt's next-token logits within 2e-5 of transformers' (fp32 both; a wrong RoPE
+    factor moves them by ~2e-3 here)."""
+    table = scattered_blocks(engine, len(prompt))
+    ours = engine.step(
+        build_step_inputs([RequestSlice(prompt, 0, table, sample=True)], engine.config.limits.block_size)
+    )
+    theirs = oracle_last_logits(hf, prompt)
+    assert torch.allclose(ours[0], theirs, atol=2e-5, rtol=0), (ours[0] - theirs).abs().max()
+
+
+def assert_greedy_equals(
+    engine: Engine,
+    hf: torch.nn.Module,
+    prompt_lengths: Sequence[int],
+    new_tokens: int,
+    chunks: Sequence[int] = (),
+    deep: bool = False,
+) -> None:
+    """For each prompt: greedy output equals transformers', whole and prefilled in each chunk
+    size; the last logits are close; with `deep`, also those of prompt + output (decodes on)."""
+    for prompt in prompts(engine.config.spec.vocab_size, list(prompt_lengths), seed=7):
+        expected = hf_greedy(hf, prompt, new_tokens)
+        assert greedy_generate(engine, prompt, new_tokens) == expected
+        for chunk in chunks:
+            assert greedy_generate(engine, prompt, new_tokens, chunk=chunk) == expected, chunk
+        assert_last_logits_close(engine, hf, prompt)
+        if deep:
+            assert_last_logits_close(engine, hf, prompt + expected)
+
+
+def last_logits(engine: Engine, steps: list[list[RequestSlice]]) -> torch.Tensor:
+    """Run `steps` from an empty cache; the last step's logits."""
+    engine.kv_cache.zero_()
+    for step in steps:
+        logits = engine.step(build_step_inputs(step, engine.config.limits.block_size))
+    return logits
+
+
+BITWISE_TABLES = [[30, 4, 17], [9, 22], [41, 1, 33], list(range(10, 16))]
+
+
+def assert_bitwise_invariant(engine: Engine, hf: torch.nn.Module, window: int) -> list[torch.Tensor]:
+    """Prompts of 40, 23 and 37 tokens and a 90-token one: each of the first three's last
+    logits, bit for bit, alone; beside the others and a decode deep past the window; prefilled
+    in two chunks split around window edges. Alone they are transformers' (so a difference
+    applied everywhere alike fails too), and so is the deep decode. Returns the alone logits."""
+    texts = prompts(engine.config.spec.vocab_size, [40, 23, 37, 90], seed=9)
+    whole = [RequestSlice(text, 0, table, True) for text, table in zip(texts[:3], BITWISE_TABLES, strict=False)]
+    alone = [last_logits(engine, [[piece]])[0] for piece in whole]
+    long_text, long_table = texts[3], BITWISE_TABLES[3]
+    long_prefill = RequestSlice(long_text, 0, long_table, True)
+    decode = RequestSlice([7], len(long_text), long_table, True)  # 91 keys
+    beside = last_logits(engine, [[long_prefill], [*whole[::-1], decode]])
+    decode_alone = last_logits(engine, [[long_prefill], [decode]])[0]
+    assert torch.equal(beside[3], decode_alone)
+    assert torch.allclose(decode_alone, oracle_last_logits(hf, [*long_text, 7]), atol=2e-5, rtol=0)
+    for row, (text, table) in enumerate(zip(texts[:3], BITWISE_TABLES, strict=False)):
+        assert torch.allclose(alone[row], oracle_last_logits(hf, text), atol=2e-5, rtol=0), row
+        assert torch.equal(beside[2 - row], alone[row]), f"prompt {row} batched"
+        for split in (1, window - 1, window, window + 1, 16, 17, len(text) - 1):
+            head, tail = RequestSlice(text[:split], 0, table, False), RequestSlice(text[split:], split, table, True)
+            assert torch.equal(last_logits(engine, [[head], [tail]])[0], alone[row]), f"prompt {row} split {split}"
+    return alone
