@@ -89,6 +89,21 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             layer_types=["sliding_attention", "full_attention"],
         ),
     ),
+    "gemma2": (
+        "gemma2",
+        "Gemma-2-2B (window 4096, caps 50/30)",
+        dict(
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            sliding_window=4096,
+            query_pre_attn_scalar=256,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        ),
+    ),
 }
 LIMITS = dict(max_batch_size=8, max_num_tokens=512, max_seq_len=1024, block_size=16, kv_blocks=160)
 STEPS = ("decode_b1", "decode_b8", "prefill_512")

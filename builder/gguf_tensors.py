@@ -27,7 +27,7 @@ from ifb.builder.errors import SourceError
 from ifb.plugins.quant_formats import GGUF_TYPE_NAMES, WeightFormat
 from ifb.runtime.engine_format import ModelSpec
 
-PERMUTED_ARCHITECTURES = ("llama",)  # those whose q/k rows llama.cpp's converter permutes
+PERMUTED_ARCHITECTURES = ("llama", "smollm3")  # those whose q/k rows llama.cpp's converter permutes
 _LAYER_LINEARS = {
     "attn.qkv": ("attn_q", "attn_k", "attn_v"),
     "attn.o_proj": ("attn_output",),
@@ -39,11 +39,11 @@ _LAYER_LINEARS = {
 _FUSED_LAYER_LINEARS = {**_LAYER_LINEARS, "attn.qkv": ("attn_qkv",), "mlp.gate_up": ("ffn_up",)}
 FUSED_ARCHITECTURES = ("phi3",)
 _LAYER_NORMS = {"input_norm": "attn_norm", "post_norm": "ffn_norm"}
-# llama.cpp's Gemma 3 names for the sandwich's output norms (ffn_norm stays the MLP's input norm)
+# llama.cpp's Gemma 2/3 names for the sandwich's output norms (ffn_norm stays the MLP's input norm)
 _SANDWICH_NORMS = {**_LAYER_NORMS, "attn_out_norm": "post_attention_norm", "mlp_out_norm": "post_ffw_norm"}
 # llama.cpp's Gemma converters store every RMSNorm weight as (1 + w), the scale its graph
 # multiplies by; our network adds the 1 itself (ModelSpec.norm_weight_offset), so it is taken off
-NORM_SHIFTED_ARCHITECTURES = ("gemma3",)
+NORM_SHIFTED_ARCHITECTURES = ("gemma2", "gemma3")
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 
 

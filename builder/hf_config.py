@@ -6,9 +6,11 @@ from dataclasses import replace
 from typing import Any
 
 from ifb.builder.errors import UnsupportedModelError
-from ifb.runtime.engine_format import ModelSpec
+from ifb.runtime.engine_format import Activation, ModelSpec
 
+GEMMA2 = "gemma2"
 GEMMA3 = "gemma3_text"
+GEMMA_ARCHITECTURES = (GEMMA2, GEMMA3)
 # model_type -> whether q/k/v projections carry a bias
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "llama": False,  # Llama 2/3, SmolLM/SmolLM2, TinyLlama
@@ -17,6 +19,7 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "qwen3": False,  # dense Qwen3 (0.6B-32B): per-head q/k RMSNorm, no bias
     "smollm3": False,  # SmolLM3: Llama with every 4th layer's RoPE left out (NoPE)
     "phi3": False,  # Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate_up, LongRoPE, partial rotary
+    GEMMA2: False,  # Gemma 2: Gemma 3's layout less q/k norms, one RoPE base, soft-capped scores and logits
     GEMMA3: False,  # Gemma 3 text: local (windowed) and global layers, GeGLU, (1 + w) norms
 }
 QK_NORM_ARCHITECTURES = ("qwen3", GEMMA3)
@@ -50,9 +53,9 @@ def model_spec_from_hf_config(config: Any) -> ModelSpec:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if model_type == GEMMA3:
-        return _gemma3_spec(config, _common_spec(config))
-    if getattr(config, "hidden_act", "silu") != "silu":
+    if model_type in GEMMA_ARCHITECTURES:
+        return _gemma_spec(config, _common_spec(config))
+    if getattr(config, "hidden_act", "silu") != Activation.SILU:
         raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
     spec = _common_spec(config)
     return _layer_types_window(config, spec) if model_type in LAYER_TYPES_WINDOW_ARCHITECTURES else spec
@@ -63,12 +66,11 @@ def _layer_types_window(config: Any, spec: ModelSpec) -> ModelSpec:
     `use_sliding_window` is set (as their transformers attention: the window is None otherwise)."""
     sliding = _sliding_layers(config)
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
-    if not sliding or not window:
+    window = _checked_window(config, window)
+    if not sliding or window is None:
         return spec
-    if int(window) < 0:
-        raise UnsupportedModelError(f"{config.model_type} sliding_window must be >= 0 (0: none), got {window}")
     full = tuple(i for i in range(spec.num_layers) if i not in sliding)
-    return replace(spec, sliding_window=int(window), full_attention_layers=full)
+    return replace(spec, sliding_window=window, full_attention_layers=full)
 
 
 def global_rope_parameters(config: Any) -> dict[str, Any]:
@@ -90,38 +92,54 @@ def _sliding_layers(config: Any) -> list[int]:
     return [i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind == "sliding_attention"]
 
 
-def _gemma3_spec(config: Any, spec: ModelSpec) -> ModelSpec:
-    """Gemma 3 text (transformers' Gemma3TextModel): interleaved local (sliding-window) and
-    global layers, each kind with its own RoPE base; refuses what the network does not apply."""
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, field, None) is not None:
-            raise UnsupportedModelError(f"gemma3 {field}={getattr(config, field)} is not supported (only None)")
+def _gemma_spec(config: Any, spec: ModelSpec) -> ModelSpec:
+    """Gemma 2 and Gemma 3 text (transformers' Gemma2Model, Gemma3TextModel): interleaved local
+    (sliding-window) and global layers, soft-capping where the config sets it (every Gemma 2;
+    None in Gemma 3's releases); Gemma 3's local layers rotate by their own RoPE base. Refuses
+    what the network does not apply."""
+    name = config.model_type
     if getattr(config, "use_bidirectional_attention", False):
-        raise UnsupportedModelError("gemma3 use_bidirectional_attention is not supported (causal only)")
+        raise UnsupportedModelError(f"{name} use_bidirectional_attention is not supported (causal only)")
     activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise UnsupportedModelError(
-            f"gemma3 hidden_activation {activation!r} is not supported; only 'gelu_pytorch_tanh'"
+            f"{name} hidden_activation {activation!r} is not supported; only 'gelu_pytorch_tanh'"
         )
     sliding = _sliding_layers(config)
-    window = int(config.sliding_window) if sliding and config.sliding_window else None
-    local_rope = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention") or {}
-    if sliding and local_rope.get("rope_type", "default") != "default":
-        raise UnsupportedModelError(
-            f"gemma3 sliding layers' rope_type {local_rope['rope_type']!r} is not supported; only 'default'"
-        )
+    window = _checked_window(config, config.sliding_window) if sliding else None
     full = tuple(i for i in range(spec.num_layers) if i not in sliding)
     return replace(
         spec,
         sliding_window=window,
         full_attention_layers=full if window is not None else (),
-        local_rope_theta=float(local_rope["rope_theta"]) if sliding and full else None,
-        hidden_act=activation,
+        local_rope_theta=_gemma3_local_rope_theta(config, sliding, full) if name == GEMMA3 else None,
+        hidden_act=Activation.GELU_TANH,
         norm_weight_offset=1.0,
         embed_scale=float(spec.hidden_size) ** 0.5,
         sandwich_norms=True,
         attention_scale=float(config.query_pre_attn_scalar) ** -0.5,
+        attn_logit_softcap=_softcap(config, "attn_logit_softcapping"),
+        final_logit_softcap=_softcap(config, "final_logit_softcapping"),
     )
+
+
+def _gemma3_local_rope_theta(config: Any, sliding: list[int], full: tuple[int, ...]) -> float | None:
+    """The sliding layers' RoPE base (rope_local_base_freq), where both kinds of layer exist."""
+    local_rope = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention") or {}
+    if sliding and local_rope.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(
+            f"gemma3 sliding layers' rope_type {local_rope['rope_type']!r} is not supported; only 'default'"
+        )
+    return float(local_rope["rope_theta"]) if sliding and full else None
+
+
+def _softcap(config: Any, field: str) -> float | None:
+    value = getattr(config, field, None)
+    if value is None:
+        return None
+    if float(value) <= 0:
+        raise UnsupportedModelError(f"{config.model_type} {field} must be > 0 (or null: none), got {value}")
+    return float(value)
 
 
 def _common_spec(config: Any) -> ModelSpec:
@@ -155,6 +173,11 @@ def _sliding_window(config: Any) -> int | None:
     for later Mistrals): each query attends to its last `window` keys, on every layer, as
     transformers' MistralModel and Phi3Model mask them."""
     window = getattr(config, "sliding_window", None) if config.model_type in WINDOW_ARCHITECTURES else None
+    return _checked_window(config, window)
+
+
+def _checked_window(config: Any, window: Any) -> int | None:
+    """A config's sliding_window as the network takes it: None or 0 is no window; < 0 is refused."""
     if window is not None and int(window) < 0:
         raise UnsupportedModelError(f"{config.model_type} sliding_window must be >= 0 (0: none), got {window}")
     return int(window) if window else None

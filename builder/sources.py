@@ -160,6 +160,7 @@ def gguf_config(path: Path) -> Any:
     import gguf
     from transformers import AutoConfig
 
+    _register_llama_shaped_gguf_architectures()
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         reader = gguf.GGUFReader(str(path))
@@ -171,12 +172,36 @@ def gguf_config(path: Path) -> Any:
         config.head_dim = int(key_length.contents())
     if architecture == "phi3":
         _phi3_rope(config, reader)
+    if getattr(config, "pad_token_id", None) is not None and not 0 <= config.pad_token_id < config.vocab_size:
+        config.pad_token_id = None  # a config class's default (SmolLM3's 128004) where the file names none
+    if architecture in ("gemma2", "gemma3"):
+        _gemma_attention_scale(config)
+    if architecture == "gemma2":
+        _gemma2_softcaps(config, reader)
     if architecture == "gemma3":
-        _gemma3_fields(config, reader)
+        _gemma3_rope(config, reader)
     return _with_sliding_window(config, reader, architecture)
 
 
 _NOT_LLAMA_FIELDS = ("model_type", "architectures", "sliding_window")
+# GGUF architectures llama.cpp writes exactly as Llama (its converter subclasses LlamaModel: the
+# same keys, tensor names and permuted q/k) that transformers' GGUF reader does not list. Each is
+# read with the Llama tables into its own config class, whose defaults carry what llama.cpp
+# hard-codes: SmolLM3's NoPE layers, every 4th (`n_no_rope_layer_step`), are no_rope_layers'
+# default (no_rope_layer_interval 4); the file has no key for them.
+LLAMA_SHAPED_GGUF_ARCHITECTURES = ("smollm3",)
+
+
+def _register_llama_shaped_gguf_architectures() -> None:
+    """Teach transformers' GGUF reader (config, tokenizer, weights) the Llama-shaped names."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.integrations import ggml
+
+    for name in LLAMA_SHAPED_GGUF_ARCHITECTURES:
+        ggml.GGUF_CONFIG_MAPPING.setdefault(name, ggml.GGUF_CONFIG_MAPPING["llama"])
+        gguf_utils.TENSOR_PROCESSORS.setdefault(name, gguf_utils.TENSOR_PROCESSORS["llama"])
+        if name not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:
+            gguf_utils.GGUF_SUPPORTED_ARCHITECTURES.append(name)
 
 
 def _with_sliding_window(config: Any, reader: Any, architecture: str) -> Any:
@@ -198,17 +223,35 @@ def _with_sliding_window(config: Any, reader: Any, architecture: str) -> Any:
     return config
 
 
-def _gemma3_fields(config: Any, reader: Any) -> None:
-    """What llama.cpp's Gemma 3 graph takes that transformers' GGUF reader leaves at its defaults:
-    the attention scale (llama.cpp: head_dim ** -0.5, hidden/heads for the 62-layer 27B, as
-    query_pre_attn_scalar), the global layers' linear RoPE scaling (`rope.scaling.type`/`factor`,
-    the 4B-27B's 8x), and the local layers' base where the file declares one (`rope.freq_base_swa`;
-    llama.cpp assumes 10000, transformers' default too). The local/global pattern is llama.cpp's
-    fixed one, every 6th layer global, which is transformers' default for the same config."""
-    if config.num_hidden_layers == 62:
+# llama.cpp's layer count of the 27B releases, whose attention scale is hidden/heads, not head_dim
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def _gemma_attention_scale(config: Any) -> None:
+    """llama.cpp's Gemma 2/3 attention scale, which transformers' GGUF reader leaves at the
+    config's default query_pre_attn_scalar (256): head_dim ** -0.5, or (hidden/heads) ** -0.5 for
+    the 27B (46 layers in Gemma 2, 62 in Gemma 3), as query_pre_attn_scalar."""
+    if config.num_hidden_layers == _GEMMA_27B_LAYERS[config.model_type]:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     else:
         config.query_pre_attn_scalar = config.head_dim
+
+
+def _gemma2_softcaps(config: Any, reader: Any) -> None:
+    """Gemma 2's soft-caps as the file declares them (`attn_logit_softcapping`,
+    `final_logit_softcapping`); transformers' GGUF reader maps neither and leaves Gemma2Config's
+    defaults (50, 30: the released values, but not necessarily the file's). Absent: none."""
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = reader.fields.get(f"gemma2.{field}")
+        setattr(config, field, float(value.contents()) if value is not None else None)
+
+
+def _gemma3_rope(config: Any, reader: Any) -> None:
+    """What llama.cpp's Gemma 3 graph takes that transformers' GGUF reader leaves at its defaults:
+    the global layers' linear RoPE scaling (`rope.scaling.type`/`factor`, the 4B-27B's 8x), and
+    the local layers' base where the file declares one (`rope.freq_base_swa`; llama.cpp assumes
+    10000, transformers' default too). The local/global pattern is llama.cpp's fixed one, every
+    6th layer global, which is transformers' default for the same config."""
     rope = {kind: dict(params) for kind, params in config.rope_parameters.items()}
     scaling = reader.fields.get("gemma3.rope.scaling.type")
     factor = reader.fields.get("gemma3.rope.scaling.factor")

@@ -11,6 +11,10 @@ pool's dtype when written and read back in fp32.
 `window` (Mistral's and Phi-3's sliding window, `ModelSpec.sliding_window`): a query at position
 i attends to key positions p with i - window < p <= i, as transformers' sliding_window_overlay
 (`kv_idx > q_idx - sliding_window`); None attends to every earlier key.
+
+`softcap` (Gemma 2's attn_logit_softcapping): each scaled score s becomes cap * tanh(s / cap)
+before the mask and softmax, as transformers' eager attention; None leaves scores as they are.
+SDPA has no such hook, so a capped context path forms its scores explicitly.
 """
 
 from __future__ import annotations
@@ -39,7 +43,12 @@ def _gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, block_size: i
 
 
 def _grouped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [N, Q, H, D], keys/values [N, L, KVH, D], mask [N, Q, L] -> [N, Q, H, D].
 
@@ -48,7 +57,7 @@ def _grouped_attention(
     q with them: SDPA takes one dtype, and rounding K/V to bf16 would drop bits fp16 kept.
     """
     if keys.dtype != q.dtype:
-        return _grouped_attention(q.float(), keys.float(), values.float(), mask, scale).to(q.dtype)
+        return _grouped_attention(q.float(), keys.float(), values.float(), mask, scale, softcap).to(q.dtype)
     n, num_q, num_heads, head_dim = q.shape
     num_kv_heads, length = keys.shape[2], keys.shape[1]
     group = num_heads // num_kv_heads
@@ -56,15 +65,37 @@ def _grouped_attention(
     qg = qg.reshape(n, num_kv_heads, group * num_q, head_dim)
     grouped_mask = mask[:, None, None].expand(n, 1, group, num_q, length)
     grouped_mask = grouped_mask.reshape(n, 1, group * num_q, length)
-    out = F.scaled_dot_product_attention(
-        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=grouped_mask, scale=scale
-    )
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=grouped_mask, scale=scale
+        )
+    else:
+        out = _capped_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), grouped_mask, scale, softcap)
     out = out.reshape(n, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(n, num_q, num_heads, head_dim)
 
 
+def _capped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """SDPA's arithmetic spelled out, with the scores capped before the mask: q [N, KVH, Q, D],
+    keys/values [N, KVH, L, D], mask [N, 1, Q, L] -> [N, KVH, Q, D]."""
+    scores = _cap(torch.matmul(q, keys.transpose(-1, -2)) * scale, softcap)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs, values)
+
+
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def _decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [N, H, D], keys/values [N, L, KVH, D] (gathered lazily), mask [N, L] -> [N, H, D].
 
@@ -76,7 +107,7 @@ def _decode_attention(
     num_kv_heads = keys.shape[2]
     group = num_heads // num_kv_heads
     qg = q.reshape(n, 1, num_kv_heads, group, head_dim).float()
-    scores = (qg * keys.float()[:, :, :, None, :]).sum(-1) * scale  # [N, L, KVH, G]
+    scores = _cap((qg * keys.float()[:, :, :, None, :]).sum(-1) * scale, softcap)  # [N, L, KVH, G]
     scores = scores.masked_fill(~mask[:, :, None, None], float("-inf"))
     probs = scores.softmax(dim=1)
     out = (probs[..., None] * values.float()[:, :, :, None, :]).sum(1)  # [N, KVH, G, D]
@@ -93,6 +124,7 @@ def _context_attention(
     block_size: int,
     scale: float,
     window: int | None,
+    softcap: float | None,
 ) -> None:
     rows = layout.context_query_rows
     keys = _gather_blocks(k_pool, layout.context_block_tables, block_size)
@@ -102,7 +134,7 @@ def _context_attention(
     mask = key_index[None, None, :] <= query_positions
     if window is not None:
         mask = mask & (key_index[None, None, :] > query_positions - window)
-    context_out = _grouped_attention(q[rows], keys, values, mask, scale)
+    context_out = _grouped_attention(q[rows], keys, values, mask, scale, softcap)
     out.index_copy_(0, rows.flatten(), context_out.flatten(0, 1))
 
 
@@ -116,6 +148,7 @@ def _context_attention_per_row(
     block_size: int,
     scale: float,
     window: int | None,
+    softcap: float | None,
 ) -> None:
     """The context path through the decode kernel: each query row is its own item, over its
     request's keys up to its own position.
@@ -132,7 +165,7 @@ def _context_attention_per_row(
     queries_per_request = layout.context_query_rows.shape[1]
     tables = layout.context_block_tables[:, None, :].expand(-1, queries_per_request, -1).flatten(0, 1)
     attended = _kernel_attention(
-        q[rows].float(), k_pool, v_pool, tables, positions[rows] + 1, block_size, scale, window
+        q[rows].float(), k_pool, v_pool, tables, positions[rows] + 1, block_size, scale, window, softcap
     )
     out.index_copy_(0, rows, attended.to(q.dtype))
 
@@ -146,9 +179,14 @@ def _kernel_attention(
     block_size: int,
     scale: float,
     window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """The decode kernel, windowed or not; an engine without a window calls the op it always
-    has, so its compiled graph is the one it was before windows existed."""
+    """The decode kernel, windowed or capped or neither; an engine without a window (or a cap)
+    calls the op it always has, so its compiled graph is the one it was before they existed."""
+    if softcap is not None:
+        return torch.ops.ifb_quant.paged_decode_attention_softcap(
+            q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, window or 0, softcap
+        )
     if window is None:
         return torch.ops.ifb_quant.paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale)
     return torch.ops.ifb_quant.paged_decode_attention_window(
@@ -165,14 +203,15 @@ def paged_attention(
     block_size: int,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every packed query over its own request's blocks (over its last
-    `window` keys only, with a sliding window).
+    `window` keys only, with a sliding window; scores capped by `softcap`).
 
     q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
     """
     out = torch.zeros_like(q)
-    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale, window)
+    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale, window, softcap)
     rows = layout.decode_query_rows
     keys = _gather_blocks(k_pool, layout.decode_block_tables, block_size)
     values = _gather_blocks(v_pool, layout.decode_block_tables, block_size)
@@ -181,7 +220,7 @@ def paged_attention(
     mask = key_index[None, :] < seq_lens
     if window is not None:
         mask = mask & (key_index[None, :] >= seq_lens - window)
-    out.index_copy_(0, rows, _decode_attention(q[rows], keys, values, mask, scale))
+    out.index_copy_(0, rows, _decode_attention(q[rows], keys, values, mask, scale, softcap))
     return out
 
 
@@ -194,6 +233,7 @@ def paged_attention_decode_kernel(
     block_size: int,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the decode path in our C++ kernel (plugins/csrc/paged_decode_attention.cpp),
     which reads each request's K/V in place through its block table: at 32 rows x 256 tokens of
@@ -202,10 +242,18 @@ def paged_attention_decode_kernel(
     kernel library loaded. The context path goes through the same kernel, row by row
     (`_context_attention_per_row`), for batch invariance."""
     out = torch.zeros_like(q)
-    _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale, window)
+    _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale, window, softcap)
     rows = layout.decode_query_rows
     decoded = _kernel_attention(
-        q[rows].float(), k_pool, v_pool, layout.decode_block_tables, layout.decode_seq_lens, block_size, scale, window
+        q[rows].float(),
+        k_pool,
+        v_pool,
+        layout.decode_block_tables,
+        layout.decode_seq_lens,
+        block_size,
+        scale,
+        window,
+        softcap,
     )
     out.index_copy_(0, rows, decoded.to(q.dtype))
     return out

@@ -28,9 +28,10 @@ def _attend_one(
     query_positions: list[int],
     scale: float,
     window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """q [n, H, D]; keys/values [L, KVH, D]; query i sees keys 0..query_positions[i], the last
-    `window` of them with a sliding window."""
+    `window` of them with a sliding window; scores s capped to softcap * tanh(s / softcap)."""
     num_heads, num_kv_heads = q.shape[1], keys.shape[1]
     group = num_heads // num_kv_heads
     keys = keys.float().repeat_interleave(group, dim=1)
@@ -39,6 +40,8 @@ def _attend_one(
     for i, pos in enumerate(query_positions):
         first = 0 if window is None else max(0, pos + 1 - window)
         scores = torch.einsum("hd,lhd->hl", q[i].float(), keys[first : pos + 1]) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hl,lhd->hd", probs, values[first : pos + 1])
     return out.to(q.dtype)
@@ -53,9 +56,10 @@ def paged_attention_reference(
     block_size: int,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every packed query over its own request's blocks (the last `window`
-    keys of each query's, with a sliding window).
+    keys of each query's, with a sliding window; scores capped by `softcap`).
 
     q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
     """
@@ -70,10 +74,10 @@ def paged_attention_reference(
         rows = sorted(set(layout.context_query_rows[r].tolist()))
         query_positions = [int(positions[row]) for row in rows]
         keys, values = context_keys(layout.context_block_tables[r], max(query_positions) + 1)
-        out[rows] = _attend_one(q[rows], keys, values, query_positions, scale, window)
+        out[rows] = _attend_one(q[rows], keys, values, query_positions, scale, window, softcap)
     for d in range(layout.decode_query_rows.shape[0]):
         row = int(layout.decode_query_rows[d])
         length = int(layout.decode_seq_lens[d])
         keys, values = context_keys(layout.decode_block_tables[d], length)
-        out[row : row + 1] = _attend_one(q[row : row + 1], keys, values, [length - 1], scale, window)
+        out[row : row + 1] = _attend_one(q[row : row + 1], keys, values, [length - 1], scale, window, softcap)
     return out

@@ -80,6 +80,11 @@ _LIBRARY.define(
     "paged_decode_attention_window(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
     "int block_size, float scale, int window) -> Tensor"
 )
+# Gemma 2's attention soft-capping, likewise its own op: window 0 = none, softcap 0 = none.
+_LIBRARY.define(
+    "paged_decode_attention_softcap(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
+    "int block_size, float scale, int window, float softcap) -> Tensor"
+)
 _LIBRARY.define("quant_dequantize(Tensor packed, str format, int n, int k) -> Tensor")
 _LIBRARY.define("quant_embedding(Tensor ids, Tensor packed, str format, str compute, int n, int k) -> Tensor")
 
@@ -106,6 +111,12 @@ PAGED_DECODE_ATTENTION_WINDOW_SHIM = (
     "double scale, int64_t window, AtenTensorHandle* ret0)"
 )
 
+PAGED_DECODE_ATTENTION_SOFTCAP_SHIM = (
+    "AOTITorchError aoti_torch_cpu_paged_decode_attention_softcap(AtenTensorHandle q, AtenTensorHandle k_pool, "
+    "AtenTensorHandle v_pool, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, int64_t block_size, "
+    "double scale, int64_t window, double softcap, AtenTensorHandle* ret0)"
+)
+
 
 def aoti_configs() -> dict[str, object]:
     """The inductor_configs entries that make AOTInductor call our ops through their C shims."""
@@ -114,6 +125,7 @@ def aoti_configs() -> dict[str, object]:
         torch.ops.ifb_quant.quant_matmul_int8.default: [QUANT_MATMUL_INT8_SHIM],
         torch.ops.ifb_quant.paged_decode_attention.default: [PAGED_DECODE_ATTENTION_SHIM],
         torch.ops.ifb_quant.paged_decode_attention_window.default: [PAGED_DECODE_ATTENTION_WINDOW_SHIM],
+        torch.ops.ifb_quant.paged_decode_attention_softcap.default: [PAGED_DECODE_ATTENTION_SOFTCAP_SHIM],
         torch.ops.ifb_quant.quant_embedding.default: [QUANT_EMBEDDING_SHIM],
     }
     return {"aot_inductor.custom_ops_to_c_shims": shims}
@@ -154,6 +166,21 @@ def _paged_decode_attention_window_fake(
     block_size: int,
     scale: float,
     window: int,
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("ifb_quant::paged_decode_attention_softcap")
+def _paged_decode_attention_softcap_fake(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 

@@ -1,5 +1,5 @@
 """Tiny seeded random checkpoints written as real files: HF folders (Llama, Mistral, Qwen2, Qwen3,
-SmolLM3, Phi-3, Gemma 3) and GGUFs."""
+SmolLM3, Phi-3, Gemma 2, Gemma 3) and GGUFs."""
 
 from __future__ import annotations
 
@@ -85,6 +85,13 @@ def tiny_config(architecture: str, vocab_size: int, **overrides: Any) -> Any:
         # (five local, then one global) unless layer_types says otherwise
         gemma: dict[str, Any] = dict(head_dim=16, num_hidden_layers=6, tie_word_embeddings=True, pad_token_id=0)
         return Gemma3TextConfig(**{**common, **gemma, **overrides})
+    if architecture == "gemma2":
+        from transformers import Gemma2Config
+
+        # tied, head_dim 16 of 4 heads; four layers, transformers' (and llama.cpp's) pattern:
+        # even layers local, odd ones global
+        gemma2: dict[str, Any] = dict(head_dim=16, num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=0)
+        return Gemma2Config(**{**common, **gemma2, **overrides})
     raise ValueError(architecture)
 
 
@@ -178,7 +185,7 @@ def write_gguf(
     architecture = config.model_type
     # llama.cpp's converter writes Mistral as arch llama; transformers tells it by its name
     gguf_architecture = {"mistral": "llama", "gemma3_text": "gemma3"}.get(architecture, architecture)
-    gemma = gguf_architecture == "gemma3"
+    gemma = gguf_architecture in ("gemma2", "gemma3")
     writer = gguf.GGUFWriter(str(path), gguf_architecture)
     writer.add_name(f"tiny-{architecture}")
     writer.add_context_length(config.max_position_embeddings)
@@ -190,7 +197,8 @@ def write_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    rope_parameters = config.rope_parameters["full_attention"] if gemma else config.rope_parameters
+    gemma3 = gguf_architecture == "gemma3"
+    rope_parameters = config.rope_parameters["full_attention"] if gemma3 else config.rope_parameters
     writer.add_rope_freq_base(float(rope_parameters["rope_theta"]))
     if gemma and rope_parameters.get("rope_type") == "linear":  # as llama.cpp's Gemma 3 converter
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -198,6 +206,10 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "sliding_window", None):  # `{arch}.attention.sliding_window`
         writer.add_sliding_window(config.sliding_window)
+    if gguf_architecture == "gemma2" and config.attn_logit_softcapping is not None:  # as llama.cpp's converter
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if gguf_architecture == "gemma2" and config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if architecture == "phi3":  # as llama.cpp's Phi-3 converter: rotary dims, LongRoPE factors as tensors
         rope = config.rope_parameters
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -242,7 +254,7 @@ def write_gguf(
         "self_attn.q_norm.weight": "attn_q_norm.weight",
         "self_attn.k_norm.weight": "attn_k_norm.weight",
     }
-    if gemma:  # llama.cpp's Gemma 3 names: four norms a layer
+    if gemma:  # llama.cpp's Gemma 2/3 names: four norms a layer
         per_layer.update(
             {
                 "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -250,7 +262,7 @@ def write_gguf(
                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
             }
         )
-    permuted = gguf_architecture == "llama"  # llama.cpp's converter permutes Llama's q/k rows only
+    permuted = gguf_architecture in ("llama", "smollm3")  # llama.cpp's LlamaModel converters permute q/k rows
 
     overrides = tensor_types or {}
     rng = np.random.default_rng(seed)

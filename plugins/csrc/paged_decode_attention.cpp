@@ -11,7 +11,9 @@
 // whatever else is in the step and however the threads split the items (threads take whole items).
 // Pools may hold fp32, fp16 or bf16 (`--kv-dtype`); each element is widened to fp32 on load.
 // With a sliding window (Mistral, Phi-3) an item reads only its row's last `window` keys, in the
-// same order, so a row's result still depends on nothing but its own keys.
+// same order, so a row's result still depends on nothing but its own keys. With Gemma 2's
+// soft-capping each score passes through cap * tanh(s / cap) before the softmax (scalar tanh, in
+// key order: the cost is one tanh per key and head, and the result stays a function of the row).
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -97,6 +99,10 @@ void attend_heads(const DecodeAttentionProblem& p, int64_t row, int64_t head0, s
       for (int c = 0; c < CH; ++c) dot = fmadd(q[g][c], kc[c], dot);
       score[g][l] = sum_lanes(dot) * p.scale;
     }
+  }
+  if (p.softcap > 0.0f) {
+    for (int g = 0; g < S; ++g)
+      for (int64_t l = 0; l < length; ++l) score[g][l] = p.softcap * std::tanh(score[g][l] / p.softcap);
   }
 
   float inverse[S];

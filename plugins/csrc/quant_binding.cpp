@@ -139,11 +139,13 @@ KvType kv_type(const at::Tensor& pool) {
   }
 }
 
-// `window` > 0: each row attends to its last `window` keys only (sliding-window attention).
-at::Tensor paged_decode_attention_window(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                         int64_t block_size, double scale, int64_t window) {
+// `window` > 0: each row attends to its last `window` keys only (sliding-window attention);
+// `softcap` > 0: each scaled score s is cap * tanh(s / cap) (Gemma 2's attention soft-capping).
+at::Tensor paged_decode_attention_softcap(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                          int64_t block_size, double scale, int64_t window, double softcap) {
   TORCH_CHECK(window >= 0, "ifb_quant: the sliding window must be >= 0 (0 = none), got ", window);
+  TORCH_CHECK(softcap >= 0, "ifb_quant: the attention softcap must be >= 0 (0 = none), got ", softcap);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.device().is_cpu(),
               "ifb_quant: q must be a CPU float32 tensor [rows, heads, head_dim], got ", q.sizes());
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type() &&
@@ -174,16 +176,23 @@ at::Tensor paged_decode_attention_window(const at::Tensor& q, const at::Tensor& 
   const DecodeAttentionProblem problem{queries.const_data_ptr<float>(), rows, heads, kv_heads, head_dim,
                                        k_pool.const_data_ptr(), v_pool.const_data_ptr(), kv_type(k_pool),
                                        table_data, tables.size(1), length_data, block_size,
-                                       static_cast<float>(scale), out.mutable_data_ptr<float>(), window};
+                                       static_cast<float>(scale), out.mutable_data_ptr<float>(), window,
+                                       static_cast<float>(softcap)};
   at::parallel_for(0, rows * kv_heads, 1,
                    [&](int64_t begin, int64_t end) { run_decode_attention(problem, begin, end); });
   return out;
 }
 
+at::Tensor paged_decode_attention_window(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                         int64_t block_size, double scale, int64_t window) {
+  return paged_decode_attention_softcap(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, window, 0.0);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                                   double scale) {
-  return paged_decode_attention_window(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, 0);
+  return paged_decode_attention_softcap(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, 0, 0.0);
 }
 
 at::Tensor quant_dequantize(const at::Tensor& packed, c10::string_view format_name, int64_t n, int64_t k) {
@@ -236,6 +245,7 @@ TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) {
   m.impl("quant_embedding", &ifb_quant::quant_embedding);
   m.impl("paged_decode_attention", &ifb_quant::paged_decode_attention);
   m.impl("paged_decode_attention_window", &ifb_quant::paged_decode_attention_window);
+  m.impl("paged_decode_attention_softcap", &ifb_quant::paged_decode_attention_softcap);
 }
 
 // AOTInductor names a custom op's shim aoti_torch_<device>_<op name> and passes tensors as
@@ -289,6 +299,20 @@ IFB_EXPORT AOTITorchError aoti_torch_cpu_paged_decode_attention_window(
         *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k_pool),
         *tensor_handle_to_tensor_pointer(v_pool), *tensor_handle_to_tensor_pointer(block_tables),
         *tensor_handle_to_tensor_pointer(seq_lens), block_size, scale, window);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
+}
+
+IFB_EXPORT AOTITorchError aoti_torch_cpu_paged_decode_attention_softcap(
+    AtenTensorHandle q, AtenTensorHandle k_pool, AtenTensorHandle v_pool, AtenTensorHandle block_tables,
+    AtenTensorHandle seq_lens, int64_t block_size, double scale, int64_t window, double softcap,
+    AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor out = ifb_quant::paged_decode_attention_softcap(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k_pool),
+        *tensor_handle_to_tensor_pointer(v_pool), *tensor_handle_to_tensor_pointer(block_tables),
+        *tensor_handle_to_tensor_pointer(seq_lens), block_size, scale, window, softcap);
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
   });
 }

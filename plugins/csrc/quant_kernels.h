@@ -138,6 +138,8 @@ struct DecodeAttentionProblem {
   float* out;  // [num_rows, num_heads, head_dim]
   // Sliding window: a row of length L attends to keys [max(0, L - window), L); 0 = all L keys.
   int64_t window = 0;
+  // Gemma 2's attention-logit soft-capping: each scaled score s becomes cap * tanh(s / cap); 0 = none.
+  float softcap = 0.0f;
 };
 
 // Items [item_begin, item_end) of num_rows * num_kv_heads (row-major): each computed alone.

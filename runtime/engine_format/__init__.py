@@ -25,7 +25,7 @@ from ifb.runtime.engine_format.limits import (
     kv_bytes_per_block,
     kv_pool_shape,
 )
-from ifb.runtime.engine_format.model_spec import ModelSpec
+from ifb.runtime.engine_format.model_spec import Activation, ModelSpec
 from ifb.runtime.engine_format.step_spec import (
     KV_POOLS_ARGUMENT,
     STEP_INPUT_NAMES,
@@ -50,6 +50,7 @@ __all__ = [
     "EngineLimits",
     "EngineSource",
     "KernelLibraryInfo",
+    "Activation",
     "ModelSpec",
     "StepTensor",
     "TensorRTPlanInfo",

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any
+
+
+class Activation(str, Enum):
+    """The MLP gate's activation, by transformers' name (engine.json stores the value)."""
+
+    SILU = "silu"  # SwiGLU: Llama, Qwen, Mistral, Phi-3, SmolLM3
+    GELU_TANH = "gelu_pytorch_tanh"  # GeGLU with gelu's tanh approximation: Gemma 2/3
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +49,14 @@ class ModelSpec:
     # scaling); the full-attention layers take the engine's stored inv_freq. None: one table.
     local_rope_theta: float | None = None
     # Gemma 3's other differences from Llama, each defaulted to Llama's behaviour
-    hidden_act: str = "silu"  # the MLP gate's activation: silu or gelu_pytorch_tanh (GeGLU)
+    hidden_act: Activation = Activation.SILU
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight), in fp32 (Gemma: 1)
     embed_scale: float | None = None  # embeddings times this, rounded to the model dtype (sqrt(hidden))
     sandwich_norms: bool = False  # an RMSNorm on the attention's and on the MLP's output too
     attention_scale: float | None = None  # query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    # Gemma 2's soft-capping: attention scores and final logits x become cap * tanh(x / cap)
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer `index` (None: every earlier key)."""
@@ -64,4 +75,5 @@ class ModelSpec:
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["no_rope_layers"] = tuple(data.get("no_rope_layers", ()))
         data["full_attention_layers"] = tuple(data.get("full_attention_layers", ()))
+        data["hidden_act"] = Activation(data.get("hidden_act", Activation.SILU))
         return cls(**data)

@@ -19,7 +19,7 @@ from ifb.plugins.attention import paged_attention, paged_attention_decode_kernel
 from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
 from ifb.plugins.layout import AttentionLayout
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
-from ifb.runtime.engine_format import ModelSpec
+from ifb.runtime.engine_format import Activation, ModelSpec
 from ifb.runtime.step.quant_embedding import QuantEmbedding
 from ifb.runtime.step.quant_linear import QuantLinear
 from ifb.runtime.step.segmented_linear import SegmentedLinear, part_formats, segments
@@ -133,6 +133,7 @@ class Attention(nn.Module):
         self.scale = spec.attention_scale or spec.head_dim**-0.5
         # Mistral, Phi-3, Gemma 3's local layers: each query sees its last `window` keys
         self.window = spec.layer_window(index)
+        self.softcap = spec.attn_logit_softcap  # Gemma 2: scores capped before the softmax
         self.ops = ops
         # Qwen3, Gemma 3 normalize each head's q and k before RoPE; an identity keeps one forward for all
         self.q_norm: nn.Module = _norm_or_identity(spec, spec.head_dim, spec.qk_norm)
@@ -157,7 +158,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
-        out = self.ops.attend(q, k_pool, v_pool, positions, layout, self.block_size, self.scale, self.window)
+        out = self.ops.attend(
+            q, k_pool, v_pool, positions, layout, self.block_size, self.scale, self.window, self.softcap
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_dim))
 
 
@@ -169,7 +172,10 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
+    Activation.SILU: F.silu,
+    Activation.GELU_TANH: _gelu_tanh,
+}
 
 
 class MLP(nn.Module):
@@ -331,5 +337,8 @@ class StepNetwork(nn.Module):
             k_pool, v_pool = kv_pools[2 * index], kv_pools[2 * index + 1]
             layer_cos, layer_sin = (local_cos, local_sin) if layer.local_rope else (cos, sin)
             x = layer(x, layer_cos, layer_sin, positions, slot_mapping, layout, k_pool, v_pool)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(self.norm(x[logits_indices]))
+        if self.spec.final_logit_softcap is not None:  # Gemma 2, in the model dtype as transformers
+            cap = self.spec.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import assert_last_logits_close, build_fp32, gguf_oracle
 from greedy_loop import greedy_generate, hf_greedy
 from step_cases import prompts
 from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint
@@ -59,14 +60,14 @@ def qwen3_gguf(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> Pat
     return write_gguf(path, qwen3_dir, linear_type="Q8_0", embed_type="Q8_0")
 
 
-@pytest.fixture(scope="module")
-def smollm3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM3 with layer 1 of 2 NoPE; attention made position-sensitive (see the docstring)."""
+def _smollm3_checkpoint(folder: Path, seed: int, **overrides: object) -> Path:
+    """A SmolLM3 whose attention is position-sensitive: input norms near 1 and q/k scaled up (at
+    the tiny models' random N(0, 0.08), scores are ~0 and a NoPE layer looks like any other)."""
     from safetensors.torch import load_file, save_file
 
-    folder = write_hf_checkpoint(tmp_path_factory.mktemp("tiny-smollm3"), "smollm3", seed=5)
+    write_hf_checkpoint(folder, "smollm3", seed=seed, **overrides)
     state = load_file(str(folder / "model.safetensors"))
-    generator = torch.Generator().manual_seed(5)
+    generator = torch.Generator().manual_seed(seed)
     for name, tensor in state.items():
         if name.endswith("input_layernorm.weight"):
             state[name] = 1 + 0.1 * torch.randn(tensor.shape, generator=generator)
@@ -76,13 +77,14 @@ def smollm3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _build(source: Path, output: Path) -> Path:
-    build_engine(source, output, BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
-    return output
+@pytest.fixture(scope="module")
+def smollm3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM3 with layer 1 of 2 NoPE."""
+    return _smollm3_checkpoint(tmp_path_factory.mktemp("tiny-smollm3"), seed=5)
 
 
 def test_qwen3_folder_engine_greedy_equals_transformers(qwen3_dir: Path, tmp_path: Path) -> None:
-    engine = Engine.load(_build(qwen3_dir, tmp_path / "qwen3"), StepMode.COMPILED)
+    engine = Engine.load(build_fp32(qwen3_dir, tmp_path / "qwen3"), StepMode.COMPILED)
     spec = engine.config.spec
     assert (spec.architecture, spec.qk_norm, spec.head_dim, spec.attention_bias) == ("qwen3", True, 32, False)
     hf = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
@@ -93,7 +95,7 @@ def test_qwen3_folder_engine_greedy_equals_transformers(qwen3_dir: Path, tmp_pat
 
 
 def test_qwen3_gguf_keeps_blocks_and_equals_transformers_gguf_loader(qwen3_gguf: Path, tmp_path: Path) -> None:
-    engine = Engine.load(_build(qwen3_gguf, tmp_path / "qwen3-q8"), StepMode.COMPILED)
+    engine = Engine.load(build_fp32(qwen3_gguf, tmp_path / "qwen3-q8"), StepMode.COMPILED)
     config = EngineConfig.load(tmp_path / "qwen3-q8")
     assert config.spec.head_dim == 32 and config.spec.qk_norm  # from qwen3.attention.key_length
     assert set(config.weight_formats.values()) == {"q8_0"} and "embed" in config.weight_formats
@@ -119,7 +121,7 @@ def test_qwen3_without_its_qk_norm_tensors_is_refused_naming_them(qwen3_dir: Pat
 
 
 def test_smollm3_nope_layers_are_recorded_and_greedy_equals_transformers(smollm3_dir: Path, tmp_path: Path) -> None:
-    engine = Engine.load(_build(smollm3_dir, tmp_path / "smollm3"), StepMode.COMPILED)
+    engine = Engine.load(build_fp32(smollm3_dir, tmp_path / "smollm3"), StepMode.COMPILED)
     spec = engine.config.spec
     assert (spec.architecture, spec.no_rope_layers) == ("smollm3", (1,))
     hf = AutoModelForCausalLM.from_pretrained(smollm3_dir, dtype=torch.float32).eval()
@@ -173,7 +175,7 @@ def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_phi3_folder_engine_greedy_equals_transformers(phi3_dir: Path, tmp_path: Path) -> None:
     """Fused qkv / gate_up read in our row order, LongRoPE's short factors and attention scaling,
     rotation over the first half of each head only."""
-    engine = Engine.load(_build(phi3_dir, tmp_path / "phi3"), StepMode.COMPILED)
+    engine = Engine.load(build_fp32(phi3_dir, tmp_path / "phi3"), StepMode.COMPILED)
     spec = engine.config.spec
     assert (spec.architecture, spec.head_dim) == ("phi3", 16)
     assert engine.config.rope_scaling == pytest.approx(math.sqrt(1 + math.log(2) / math.log(256)))
@@ -183,22 +185,6 @@ def test_phi3_folder_engine_greedy_equals_transformers(phi3_dir: Path, tmp_path:
         assert greedy_generate(engine, prompt, 24) == expected
         assert greedy_generate(engine, prompt, 24, chunk=16) == expected
         assert_last_logits_close(engine, hf, prompt)
-
-
-def assert_last_logits_close(engine: Engine, hf: torch.nn.Module, prompt: list[int]) -> None:
-    """The prompt's next-token logits within 2e-5 of transformers' (fp32 both; a wrong RoPE
-    factor moves them by ~2e-3 here)."""
-    from greedy_loop import scattered_blocks
-
-    from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
-
-    table = scattered_blocks(engine, len(prompt))
-    ours = engine.step(
-        build_step_inputs([RequestSlice(prompt, 0, table, sample=True)], engine.config.limits.block_size)
-    )
-    with torch.no_grad():
-        theirs = hf(torch.tensor([prompt])).logits[0, -1]
-    assert torch.allclose(ours[0], theirs, atol=2e-5, rtol=0), (ours[0] - theirs).abs().max()
 
 
 def test_phi3_gguf_keeps_blocks_and_reads_its_rope(phi3_dir: Path, tmp_path: Path) -> None:
@@ -211,7 +197,7 @@ def test_phi3_gguf_keeps_blocks_and_reads_its_rope(phi3_dir: Path, tmp_path: Pat
     config = gguf_config(gguf_path)
     assert config.rope_parameters["partial_rotary_factor"] == 0.5
     assert config.rope_parameters["long_factor"] == PHI3_ROPE["long_factor"]
-    engine = Engine.load(_build(gguf_path, tmp_path / "phi3-q8"), StepMode.COMPILED)
+    engine = Engine.load(build_fp32(gguf_path, tmp_path / "phi3-q8"), StepMode.COMPILED)
     formats = EngineConfig.load(tmp_path / "phi3-q8").weight_formats
     assert formats["layers.0.attn.qkv"] == "q8_0" and formats["layers.0.mlp.gate_up"] == "q8_0"
     config.pad_token_id = None  # Phi3Config's default (32000) is past the tiny vocabulary
@@ -236,3 +222,22 @@ def test_phi3_long_factors_apply_past_the_original_window(phi3_dir: Path) -> Non
     base = 10000.0 ** (torch.arange(0, 8, 2).float() / 8)
     assert torch.allclose(short, 1 / (torch.tensor(PHI3_ROPE["short_factor"]) * base))
     assert torch.allclose(long, 1 / (torch.tensor(PHI3_ROPE["long_factor"]) * base))
+
+
+def test_smollm3_gguf_keeps_blocks_and_takes_llama_cpps_nope_layers(tmp_path: Path) -> None:
+    """llama.cpp writes SmolLM3 as Llama (arch `smollm3`, q/k permuted) with no key for its NoPE
+    layers: its graph leaves out RoPE on every 4th layer, as SmolLM3Config's default. A 4-layer
+    model with that pattern: layer 3 recorded as NoPE, Q8_0 blocks kept, greedy output and last
+    logits equal transformers on the GGUF loader's weights, whole and chunked."""
+    folder = _smollm3_checkpoint(tmp_path / "hf", seed=6, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
+    path = write_gguf(tmp_path / "tiny-smollm3-q8_0.gguf", folder, linear_type="Q8_0", embed_type="Q8_0")
+    engine = Engine.load(build_fp32(path, tmp_path / "engine"), StepMode.COMPILED)
+    config = engine.config
+    assert (config.spec.architecture, config.spec.no_rope_layers) == ("smollm3", (3,))
+    assert set(config.weight_formats.values()) == {"q8_0"}
+    hf = gguf_oracle(path)
+    for prompt in prompts(config.spec.vocab_size, [5, 23, 40], seed=7):
+        expected = hf_greedy(hf, prompt, 24)
+        assert greedy_generate(engine, prompt, 24) == expected
+        assert greedy_generate(engine, prompt, 24, chunk=16) == expected
+        assert_last_logits_close(engine, hf, prompt)

@@ -3,8 +3,9 @@
 Pins: for fp32, fp16 and bf16 pools, grouped heads, lengths from 1 to a full table and blocks
 scattered over the pool, the kernel's output is within fp32 rounding of `_decode_attention`
 over gathered K/V; a request's output is bitwise the same alone, in a batch, in another
-position, and with 1 or 2 threads; a sliding window reads each row's last keys only; AVX2 and AVX-512 builds give the same bits; bad tables are
-refused instead of read out of bounds.
+position, and with 1 or 2 threads; a sliding window reads each row's last keys only; Gemma 2's
+soft-cap bends each score as the torch path does, windowed or not; AVX2 and AVX-512 builds give
+the same bits; bad tables are refused instead of read out of bounds.
 """
 
 from __future__ import annotations
@@ -124,6 +125,35 @@ def test_windowed_rows_are_bitwise_batch_invariant(kernel_library: QuantLibrary)
     for row in range(12):
         alone = windowed(q[row : row + 1], k_pool, v_pool, tables[row : row + 1], lengths[row : row + 1], 20)
         assert torch.equal(alone[0], together[row]), row
+
+
+def capped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, window: int, cap: float
+) -> torch.Tensor:
+    return torch.ops.ifb_quant.paged_decode_attention_softcap(q, k, v, tables, lengths, BLOCK, 0.125, window, cap)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_a_softcap_bends_each_score_as_the_torch_path(kernel_library: QuantLibrary, window: int) -> None:
+    """Scores s -> cap * tanh(s / cap) before the softmax (q scaled so scores reach several caps,
+    where the cap changes the output by far more than rounding); cap 0 is the uncapped op, bitwise;
+    rows stay bitwise batch invariant."""
+    q, k_pool, v_pool, tables, lengths = case(9, 9, 3, 64, torch.float32, seed=11)
+    q = q * 8
+    keys, values = _gather_blocks(k_pool, tables, BLOCK), _gather_blocks(v_pool, tables, BLOCK)
+    key_index = torch.arange(keys.shape[1])[None]
+    mask = (key_index < lengths[:, None]) & (key_index >= lengths[:, None] - (window or keys.shape[1]))
+    expected = _decode_attention(q, keys, values, mask, 0.125, softcap=5.0)
+    got = capped(q, k_pool, v_pool, tables, lengths, window, 5.0)
+    assert (got - expected).abs().max().item() < 4e-6
+    uncapped = windowed(q, k_pool, v_pool, tables, lengths, window)
+    assert torch.equal(capped(q, k_pool, v_pool, tables, lengths, window, 0.0), uncapped)
+    assert (got - uncapped)[lengths > 1].abs().amax().item() > 0.05
+    for row in range(9):
+        alone = capped(q[row : row + 1], k_pool, v_pool, tables[row : row + 1], lengths[row : row + 1], window, 5.0)
+        assert torch.equal(alone[0], got[row]), row
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        capped(q, k_pool, v_pool, tables, lengths, window, -1.0)
 
 
 def test_out_of_pool_tables_and_lengths_are_refused(kernel_library: QuantLibrary) -> None:
