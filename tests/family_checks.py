@@ -84,11 +84,12 @@ def last_logits(engine: Engine, steps: list[list[RequestSlice]]) -> torch.Tensor
 BITWISE_TABLES = [[30, 4, 17], [9, 22], [41, 1, 33], list(range(10, 16))]
 
 
-def assert_bitwise_invariant(engine: Engine, hf: torch.nn.Module, window: int) -> list[torch.Tensor]:
+def assert_bitwise_invariant(engine: Engine, hf: torch.nn.Module, window: int) -> None:
     """Prompts of 40, 23 and 37 tokens and a 90-token one: each of the first three's last
     logits, bit for bit, alone; beside the others and a decode deep past the window; prefilled
-    in two chunks split around window edges. Alone they are transformers' (so a difference
-    applied everywhere alike fails too), and so is the deep decode. Returns the alone logits."""
+    in two chunks split around window edges; after a reused prefix (the first one's first two
+    blocks written by another request, whose table it shares). Alone they are transformers' (so a
+    difference applied everywhere alike fails too), and so is the deep decode."""
     texts = prompts(engine.config.spec.vocab_size, [40, 23, 37, 90], seed=9)
     whole = [RequestSlice(text, 0, table, True) for text, table in zip(texts[:3], BITWISE_TABLES, strict=False)]
     alone = [last_logits(engine, [[piece]])[0] for piece in whole]
@@ -105,4 +106,7 @@ def assert_bitwise_invariant(engine: Engine, hf: torch.nn.Module, window: int) -
         for split in (1, window - 1, window, window + 1, 16, 17, len(text) - 1):
             head, tail = RequestSlice(text[:split], 0, table, False), RequestSlice(text[split:], split, table, True)
             assert torch.equal(last_logits(engine, [[head], [tail]])[0], alone[row]), f"prompt {row} split {split}"
-    return alone
+    shared = [5, 6]
+    donor = RequestSlice(texts[0][:32] + texts[1][:5], 0, [*shared, 7], True)
+    reused = RequestSlice(texts[0][32:], 32, [*shared, 44], True)
+    assert torch.equal(last_logits(engine, [[donor], [reused]])[0], alone[0]), "after a reused prefix"

@@ -7,8 +7,8 @@ kernel's softcap op) and final-logit soft-capping, with one RoPE table for every
 q/k norms; the local/global pattern (even layers local) and the caps read from transformers'
 Gemma2Config and from llama.cpp's `gemma2` GGUF keys. Greedy output and last logits equal
 transformers fp32 (its eager attention, the only one that caps), whole and chunked across the
-window's edges; on the Q8_0 GGUF engine a prompt's logits are bitwise the same alone, batched
-and chunked.
+window's edges; on the Q8_0 GGUF engine a prompt's logits are bitwise the same alone, batched,
+chunked and after a reused prefix.
 
 The caps are small (2 and 3) so that they bend the tiny model's scores and logits: with the
 attention cap left out the last logits of the three greedy prompts move by 0.013-0.024, with

@@ -8,7 +8,7 @@ a layer, q/k norms, the query_pre_attn_scalar attention scale, and interleaved l
 scaling). Greedy output and last logits equal transformers fp32 for prompts shorter and longer
 than the window, prefilled whole or in chunks across its edges; on the block-quantized GGUF
 engine (the decode kernel, windowed on local layers only) a prompt's logits are bitwise the
-same alone, batched and chunked.
+same alone, batched, chunked and after a reused prefix.
 
 The tiny model's random weights make each of these matter: with the network's (1 + w), embed
 scale, local RoPE table, per-layer window (none, or on every layer), attention scale, GeGLU or
