@@ -32,7 +32,9 @@ class _TiedToy(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = quant_ops.quant_embedding(ids, self.table, FMT, WeightCompute.INT8, VOCAB, HIDDEN)
-        return quant_ops.quant_linear_int8(torch.tanh(h), self.table, FMT, VOCAB, HIDDEN)
+        # clamp, not tanh: exact in both, where Inductor's vectorized tanh is 1 ulp off eager's on
+        # some CPUs (AVX-512 + AMX Xeon: max 6e-8), which this test is not about
+        return quant_ops.quant_linear_int8(h.clamp(-1.0, 1.0), self.table, FMT, VOCAB, HIDDEN)
 
 
 @pytest.fixture(scope="module")
