@@ -128,7 +128,13 @@ def test_windowed_rows_are_bitwise_batch_invariant(kernel_library: QuantLibrary)
 
 
 def capped(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, window: int, cap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int,
+    cap: float,
 ) -> torch.Tensor:
     return torch.ops.ifb_quant.paged_decode_attention_softcap(q, k, v, tables, lengths, BLOCK, 0.125, window, cap)
 
