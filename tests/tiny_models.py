@@ -251,6 +251,9 @@ def write_gguf(
         "mlp.gate_up_proj.weight": "ffn_up.weight",
         "input_layernorm.weight": "attn_norm.weight",
         "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",  # Qwen2's q/k/v bias
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
         "self_attn.q_norm.weight": "attn_q_norm.weight",
         "self_attn.k_norm.weight": "attn_k_norm.weight",
     }

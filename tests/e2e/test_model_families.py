@@ -241,3 +241,21 @@ def test_smollm3_gguf_keeps_blocks_and_takes_llama_cpps_nope_layers(tmp_path: Pa
         assert greedy_generate(engine, prompt, 24) == expected
         assert greedy_generate(engine, prompt, 24, chunk=16) == expected
         assert_last_logits_close(engine, hf, prompt)
+
+
+def test_qwen2_gguf_keeps_blocks_and_its_qkv_bias(tmp_path: Path) -> None:
+    """Qwen2 as llama.cpp writes it (arch qwen2, q/k not permuted, attn_q/k/v.bias as F32 beside
+    Q8_0 weights): the bias is read into the fused qkv, greedy output and last logits equal
+    transformers on the GGUF loader's weights."""
+    folder = write_hf_checkpoint(tmp_path / "hf", "qwen2", seed=9)
+    path = write_gguf(tmp_path / "tiny-qwen2-q8_0.gguf", folder, linear_type="Q8_0", embed_type="Q8_0")
+    engine = Engine.load(build_fp32(path, tmp_path / "engine"), StepMode.COMPILED)
+    config = engine.config
+    assert (config.spec.architecture, config.spec.attention_bias) == ("qwen2", True)
+    assert set(config.weight_formats.values()) == {"q8_0"}
+    hf = gguf_oracle(path)
+    for prompt in prompts(config.spec.vocab_size, [5, 23, 40], seed=7):
+        expected = hf_greedy(hf, prompt, 24)
+        assert greedy_generate(engine, prompt, 24) == expected
+        assert greedy_generate(engine, prompt, 24, chunk=16) == expected
+        assert_last_logits_close(engine, hf, prompt)
