@@ -44,6 +44,25 @@ def check_prompt(
         )
 
 
+def unset_max_tokens(
+    num_prompt_tokens: int,
+    default_max_tokens: int,
+    max_seq_len: int,
+    max_blocks: int,
+    block_size: int,
+    window: SlidingWindowBlocks | None = None,
+) -> int:
+    """The max_tokens of a request that set none (after check_prompt passed): the default, cut
+    at max_seq_len and at what the KV pool can hold beside the prompt. Without the pool's cut a
+    default longer than the pool passed check_prompt (which counts one token for it) and then
+    waited forever under guaranteed_no_evict, which reserves prompt + max_tokens."""
+    room = min(default_max_tokens, max_seq_len - num_prompt_tokens)
+    usable = max_blocks if window is None else max_blocks - NULL_BLOCKS
+    if window is not None and window.max_blocks_held(num_prompt_tokens + room) <= usable:
+        return room  # the window bounds what it holds, whatever its length
+    return min(room, usable * block_size - num_prompt_tokens)
+
+
 class AdmissionGate:
     """At most max_batch_size + max_queued_requests requests inside the engine at once."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from ifb.runtime.admission import check_prompt
+from ifb.runtime.admission import check_prompt, unset_max_tokens
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GrammarCompiler
@@ -120,8 +120,16 @@ class Frontend:
             limits.block_size,
             self.kv_window,
         )
-        room = limits.max_seq_len - len(prompt_token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = unset_max_tokens(
+                len(prompt_token_ids),
+                self.config.default_max_tokens,
+                limits.max_seq_len,
+                self.config.num_kv_blocks,
+                limits.block_size,
+                self.kv_window,
+            )
         if params.reasoning_budget is not None:
             params = replace(params, reasoning_budget=params.reasoning_budget.with_tags(*self.think_tags))
         compiled, seconds = (None, 0.0)

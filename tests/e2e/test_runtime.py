@@ -175,6 +175,18 @@ def test_bad_params_and_limits_raise_admission_errors(tiny_llama_engine: Path) -
             llm.generate([[5]], SamplingParams(logit_bias={10_000: 1.0}))
 
 
+def test_a_request_without_max_tokens_runs_in_a_pool_smaller_than_its_default(tiny_llama_engine: Path) -> None:
+    """4 blocks of 16 (64 tokens) under guaranteed_no_evict, default_max_tokens 512, max_seq_len
+    256: a 10-token prompt gets max_tokens 54, what the pool holds beside it, and runs to its
+    length. (Before, its default of 246 passed admission and then could never be reserved: it
+    waited until the queue timeout refused it.)"""
+    with LLM(tiny_llama_engine, kv_blocks=4, queue_timeout=30.0) as llm:
+        (output,) = llm.generate(
+            [[5, 9, 13, 17, 21, 25, 29, 33, 37, 41]], SamplingParams(temperature=0, ignore_eos=True)
+        )
+    assert output.finish_reason == "length" and len(output.token_ids) == 54
+
+
 def test_full_server_refuses_without_blocking(tiny_llama_engine: Path) -> None:
     """Beyond max_batch_size + max_queued_requests a non-blocking caller gets QueueFullError;
     aborted requests give their seats and blocks back."""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ifb.runtime.admission import AdmissionGate, check_prompt
+from ifb.runtime.admission import AdmissionGate, check_prompt, unset_max_tokens
 from ifb.runtime.errors import AdmissionError, QueueFullError
+from ifb.runtime.windowed_kv_cache_manager import SlidingWindowBlocks
 
 LIMITS = dict(max_seq_len=64, max_blocks=8, block_size=4)  # the pool holds 32 tokens, less than max_seq_len
 
@@ -58,6 +59,25 @@ def test_unset_max_tokens_counts_one_token_for_the_block_check() -> None:
     """max_tokens=None: the prompt plus one token must fit the pool (32 fits, 33 does not)."""
     check_prompt(31, None, **LIMITS)
     assert refusal(32, None).field == "max_tokens"
+
+
+def test_an_unset_max_tokens_stops_where_the_pool_ends() -> None:
+    """The default (512) is cut at max_seq_len and at the pool: a 20-token prompt in a pool of 32
+    tokens gets 12, so prompt + max_tokens (what guaranteed_no_evict reserves) fits and the
+    request can be admitted; a pool larger than max_seq_len leaves max_seq_len's cut."""
+    assert unset_max_tokens(20, 512, **LIMITS) == 12
+    assert unset_max_tokens(31, 512, **LIMITS) == 1
+    assert unset_max_tokens(20, 5, **LIMITS) == 5
+    assert unset_max_tokens(20, 512, max_seq_len=64, max_blocks=1000, block_size=4) == 44
+
+
+def test_a_window_on_every_layer_lifts_the_pools_cut() -> None:
+    """A request of an every-layer window holds at most its window's blocks: the pool (minus
+    the null block) bounds the default only when even that peak does not fit."""
+    window = SlidingWindowBlocks(window=8, block_size=4, max_num_tokens=4)  # peak: ceil(11 / 4) + 1 = 4
+    assert unset_max_tokens(20, 512, window=window, **LIMITS) == 44
+    narrow = dict(LIMITS, max_blocks=4)  # 3 usable blocks beside the null block: 12 tokens
+    assert unset_max_tokens(5, 512, window=window, **narrow) == 7
 
 
 class Refusals:
