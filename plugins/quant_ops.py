@@ -143,46 +143,13 @@ def _quant_matmul_int8_fake(x: torch.Tensor, packed: torch.Tensor, format: str, 
     return x.new_empty((*x.shape[:-1], n))
 
 
-@torch.library.register_fake("ifb_quant::paged_decode_attention")
-def _paged_decode_attention_fake(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-) -> torch.Tensor:
+def _paged_decode_attention_fake(q: torch.Tensor, *tables_and_constants: object) -> torch.Tensor:
+    """Every decode-attention op (plain, windowed, capped): the output is q's shape and dtype."""
     return torch.empty_like(q)
 
 
-@torch.library.register_fake("ifb_quant::paged_decode_attention_window")
-def _paged_decode_attention_window_fake(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-    window: int,
-) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-@torch.library.register_fake("ifb_quant::paged_decode_attention_softcap")
-def _paged_decode_attention_softcap_fake(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-    window: int,
-    softcap: float,
-) -> torch.Tensor:
-    return torch.empty_like(q)
+for _op in ("paged_decode_attention", "paged_decode_attention_window", "paged_decode_attention_softcap"):
+    torch.library.register_fake(f"ifb_quant::{_op}")(_paged_decode_attention_fake)
 
 
 @torch.library.register_fake("ifb_quant::quant_dequantize")

@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.sources import load_model, resolve_source
+from ifb.runtime.engine_format import EngineConfig
+from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
@@ -110,3 +112,22 @@ def assert_bitwise_invariant(engine: Engine, hf: torch.nn.Module, window: int) -
     donor = RequestSlice(texts[0][:32] + texts[1][:5], 0, [*shared, 7], True)
     reused = RequestSlice(texts[0][32:], 32, [*shared, 44], True)
     assert torch.equal(last_logits(engine, [[donor], [reused]])[0], alone[0]), "after a reused prefix"
+
+
+def assert_step_modes_agree(folder: Path, hf: torch.nn.Module | None = None) -> None:
+    """One mixed step (a chunk past an 8-wide window over cached context, a whole prompt, a deep
+    decode) in the three step modes of the engine at `folder`: reference loops, eager and
+    compiled agree within 1e-5; with `hf`, the reference's logits are transformers' (2e-5)."""
+    a, b, c = prompts(EngineConfig.load(folder).spec.vocab_size, [30, 19, 50], seed=13)
+    warmup = [RequestSlice(a[:16], 0, [3, 17], False), RequestSlice(c, 0, [25, 11, 30, 7], True)]
+    mixed = [
+        RequestSlice(a[16:], 16, [3, 17], True),
+        RequestSlice(b, 0, [40, 2], True),
+        RequestSlice([5], 50, [25, 11, 30, 7], True),
+    ]
+    results = {mode: last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
+    for mode in (StepMode.REFERENCE, StepMode.EAGER):
+        assert (results[mode] - results[StepMode.COMPILED]).abs().max().item() < 1e-5, (folder.name, mode)
+    if hf is not None:
+        expected = torch.stack([oracle_last_logits(hf, ids) for ids in (a, b, [*c, 5])])
+        assert torch.allclose(results[StepMode.REFERENCE], expected, atol=2e-5, rtol=0), folder.name

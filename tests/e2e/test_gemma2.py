@@ -22,8 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_bitwise_invariant, assert_greedy_equals, build_fp32, gguf_oracle, last_logits
-from step_cases import prompts
+from family_checks import (
+    assert_bitwise_invariant,
+    assert_greedy_equals,
+    assert_step_modes_agree,
+    build_fp32,
+    gguf_oracle,
+)
 from tiny_models import tiny_config, write_gguf, write_hf_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -33,7 +38,6 @@ from ifb.builder.sources import gguf_config
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step.step_inputs import RequestSlice
 
 WINDOW = 8
 CAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
@@ -119,26 +123,13 @@ def test_logits_are_bitwise_batch_and_chunk_invariant(gemma_gguf: Path, gguf_eng
     assert_bitwise_invariant(Engine.load(gguf_engine, StepMode.COMPILED), gguf_oracle(gemma_gguf), WINDOW)
 
 
-def test_compiled_eager_and_reference_paths_agree(gemma_dir: Path, folder_engine: Path, gguf_engine: Path) -> None:
+def test_compiled_eager_and_reference_paths_agree(
+    gemma_dir: Path, gemma_gguf: Path, folder_engine: Path, gguf_engine: Path
+) -> None:
     """One mixed step (a chunk past the window over cached context, a whole prompt, a deep
-    decode) in the three step modes of both engines; the folder engine's are transformers'."""
-    vocab = EngineConfig.load(gguf_engine).spec.vocab_size
-    a, b, c = prompts(vocab, [30, 19, 50], seed=13)
-    warmup = [RequestSlice(a[:16], 0, [3, 17], False), RequestSlice(c, 0, [25, 11, 30, 7], True)]
-    mixed = [
-        RequestSlice(a[16:], 16, [3, 17], True),
-        RequestSlice(b, 0, [40, 2], True),
-        RequestSlice([5], 50, [25, 11, 30, 7], True),
-    ]
-    hf = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = torch.stack([hf(torch.tensor([ids])).logits[0, -1] for ids in (a, b, [*c, 5])])
-    for folder in (folder_engine, gguf_engine):
-        results = {mode: last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
-        for mode in (StepMode.REFERENCE, StepMode.EAGER):
-            assert (results[mode] - results[StepMode.COMPILED]).abs().max().item() < 1e-5, (folder.name, mode)
-        if folder == folder_engine:
-            assert torch.allclose(results[StepMode.REFERENCE], expected, atol=2e-5, rtol=0)
+    decode) in the three step modes of both engines; the reference's logits are transformers'."""
+    assert_step_modes_agree(folder_engine, AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval())
+    assert_step_modes_agree(gguf_engine, gguf_oracle(gemma_gguf))
 
 
 def test_gemma3_takes_the_caps_too() -> None:

@@ -22,8 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_bitwise_invariant, assert_greedy_equals, build_fp32, gguf_oracle, last_logits
-from step_cases import prompts
+from family_checks import (
+    assert_bitwise_invariant,
+    assert_greedy_equals,
+    assert_step_modes_agree,
+    build_fp32,
+    gguf_oracle,
+)
 from tiny_models import tiny_config, write_gguf, write_hf_checkpoint
 from transformers import AutoModelForCausalLM
 
@@ -32,7 +37,6 @@ from ifb.builder.sources import gguf_config
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step.step_inputs import RequestSlice
 
 WINDOW = 8
 PROMPT_LENGTHS = [5, 23, 40]  # shorter than the window, and longer
@@ -118,21 +122,13 @@ def test_logits_are_bitwise_batch_and_chunk_invariant(gemma_gguf: Path, gguf_eng
     assert_bitwise_invariant(Engine.load(gguf_engine, StepMode.COMPILED), gguf_oracle(gemma_gguf), WINDOW)
 
 
-def test_compiled_eager_and_reference_paths_agree(folder_engine: Path, gguf_engine: Path) -> None:
+def test_compiled_eager_and_reference_paths_agree(
+    gemma_dir: Path, gemma_gguf: Path, folder_engine: Path, gguf_engine: Path
+) -> None:
     """One mixed step (a chunk past the window over cached context, a whole prompt, a deep
-    decode) in the three step modes of both engines."""
-    vocab = EngineConfig.load(gguf_engine).spec.vocab_size
-    a, b, c = prompts(vocab, [30, 19, 50], seed=13)
-    warmup = [RequestSlice(a[:16], 0, [3, 17], False), RequestSlice(c, 0, [25, 11, 30, 7], True)]
-    mixed = [
-        RequestSlice(a[16:], 16, [3, 17], True),
-        RequestSlice(b, 0, [40, 2], True),
-        RequestSlice([5], 50, [25, 11, 30, 7], True),
-    ]
-    for folder in (folder_engine, gguf_engine):
-        results = {mode: last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
-        for mode in (StepMode.REFERENCE, StepMode.EAGER):
-            assert (results[mode] - results[StepMode.COMPILED]).abs().max().item() < 1e-5, (folder.name, mode)
+    decode) in the three step modes of both engines; the reference's logits are transformers'."""
+    assert_step_modes_agree(folder_engine, AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval())
+    assert_step_modes_agree(gguf_engine, gguf_oracle(gemma_gguf))
 
 
 def test_layer_types_decide_the_windows_and_rope_tables() -> None:

@@ -24,10 +24,9 @@ from family_checks import (
     assert_bitwise_invariant,
     assert_greedy_equals,
     assert_last_logits_close,
+    assert_step_modes_agree,
     build_fp32,
     gguf_oracle,
-    last_logits,
-    oracle_last_logits,
 )
 from greedy_loop import greedy_generate, hf_greedy
 from step_cases import prompts
@@ -38,7 +37,6 @@ from ifb.builder.sources import gguf_config
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step.step_inputs import RequestSlice
 
 WINDOW = 8
 PROMPT_LENGTHS = [5, 23, 40]  # shorter than the window, and longer
@@ -126,21 +124,10 @@ def test_compiled_eager_and_reference_paths_agree_past_the_window(
     """One mixed step (a chunk past the window over cached context, a whole prompt, a deep
     decode) in all three step modes of both engines: the reference loops, the torch masks and
     the kernel apply the same window, transformers' (the reference's logits are its)."""
-    vocab = EngineConfig.load(gguf_engine).spec.vocab_size
-    a, b, c = prompts(vocab, [30, 19, 50], seed=13)
-    warmup = [RequestSlice(a[:16], 0, [3, 17], False), RequestSlice(c, 0, [25, 11, 30, 7], True)]
-    mixed = [
-        RequestSlice(a[16:], 16, [3, 17], True),
-        RequestSlice(b, 0, [40, 2], True),
-        RequestSlice([5], 50, [25, 11, 30, 7], True),
-    ]
-    folder_hf = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
-    for folder, hf in ((folder_engine, folder_hf), (gguf_engine, _gguf_oracle(mistral_gguf))):
-        results = {mode: last_logits(Engine.load(folder, mode), [warmup, mixed]) for mode in StepMode}
-        for mode in (StepMode.REFERENCE, StepMode.EAGER):
-            assert (results[mode] - results[StepMode.COMPILED]).abs().max().item() < 1e-5, (folder.name, mode)
-        expected = torch.stack([oracle_last_logits(hf, ids) for ids in (a, b, [*c, 5])])
-        assert torch.allclose(results[StepMode.REFERENCE], expected, atol=2e-5, rtol=0), folder.name
+    assert_step_modes_agree(
+        folder_engine, AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
+    )
+    assert_step_modes_agree(gguf_engine, _gguf_oracle(mistral_gguf))
 
 
 def test_phi3_window_applies_past_it_as_transformers(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.policies import (
@@ -125,3 +126,15 @@ class FakeEngine:
             steps += 1
             assert steps < max_steps, "scheduler made no progress"
         return steps
+
+
+def expected_outputs(requests: Sequence[Request]) -> list[list[int]]:
+    """What FakeEngine decodes for each request one token at a time, computed independently."""
+    outputs = []
+    for request in requests:
+        last, out = request.token_ids[request.num_prompt_tokens - 1], []
+        for _ in range(request.max_tokens):
+            last = FakeEngine.next_token(last)
+            out.append(last)
+        outputs.append(out)
+    return outputs

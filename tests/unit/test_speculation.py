@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 
 import pytest
-from fakes import FakeEngine, make_request, make_scheduler
+from fakes import FakeEngine, expected_outputs, make_request, make_scheduler
 
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.policies import CapacityPolicyKind
@@ -160,18 +160,6 @@ def run(
 
 def lookup() -> SpeculationPlanner:
     return SpeculationPlanner(PromptLookupProposer(1, 3), 4)
-
-
-def expected_outputs(requests: Sequence[Request]) -> list[list[int]]:
-    """What the fake model decodes one token at a time."""
-    outputs = []
-    for request in requests:
-        last, out = request.token_ids[request.num_prompt_tokens - 1], []
-        for _ in range(request.max_tokens):
-            last = FakeEngine.next_token(last)
-            out.append(last)
-        outputs.append(out)
-    return outputs
 
 
 # -- prompt lookup -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 from engine_records import SPEC
-from fakes import FakeEngine, make_request
+from fakes import FakeEngine, expected_outputs, make_request
 
 from ifb.runtime.admission import check_prompt
 from ifb.runtime.errors import AdmissionError
@@ -74,18 +74,6 @@ def dead_by_position(num_blocks: int, num_computed: int, window: int) -> list[in
 
 def holes(kv: WindowedKVCacheManager, request: Request) -> list[int]:
     return [i for i, b in enumerate(request.block_ids) if b == kv.null_block_id]
-
-
-def fake_outputs(requests: Sequence[Request]) -> list[list[int]]:
-    """What FakeEngine decodes one token at a time, computed here independently."""
-    outputs = []
-    for request in requests:
-        last, out = request.token_ids[request.num_prompt_tokens - 1], []
-        for _ in range(request.max_tokens):
-            last = FakeEngine.next_token(last)
-            out.append(last)
-        outputs.append(out)
-    return outputs
 
 
 def run(scheduler: Scheduler, requests: Sequence[Request], check: Callable[[Scheduler], None] | None = None) -> int:
@@ -230,7 +218,7 @@ def test_speculative_decoding_past_the_window_outputs_as_one_token_at_a_time() -
     scheduler.speculation = SpeculationPlanner(PromptLookupProposer(1, 3), 4)
     run(scheduler, requests)
     assert scheduler.stats.spec_num_accepted_tokens > 0
-    assert [r.output_token_ids for r in requests] == fake_outputs(requests)
+    assert [r.output_token_ids for r in requests] == expected_outputs(requests)
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
 
 
@@ -250,7 +238,7 @@ def test_preemption_frees_a_table_with_holes_and_the_request_recomputes() -> Non
     scheduler._preempt = recorded  # type: ignore[method-assign]
     run(scheduler, requests)
     assert max(holes_at_preemption, default=0) > 0
-    assert [r.output_token_ids for r in requests] == fake_outputs(requests)
+    assert [r.output_token_ids for r in requests] == expected_outputs(requests)
     assert all(r.block_ids == [] for r in requests)
 
 
@@ -273,7 +261,7 @@ def test_guaranteed_no_evict_admits_by_the_windowed_peak(window: int | None, sea
     run(scheduler, requests, within_peaks)
     assert most_running == seated
     assert scheduler.stats.preempted == 0
-    assert [r.output_token_ids for r in requests] == fake_outputs(requests)
+    assert [r.output_token_ids for r in requests] == expected_outputs(requests)
 
 
 def test_a_shared_block_counts_as_its_holders_need_until_one_alone_holds_it() -> None:
@@ -327,7 +315,7 @@ def test_random_shared_prefix_workloads_never_overcommit_or_stick(policy: Capaci
             no_overcommit(scheduler)
     run(scheduler, [], no_overcommit)
     assert all(r.state is RequestState.FINISHED for r in requests)
-    assert [r.output_token_ids for r in requests] == fake_outputs(requests)
+    assert [r.output_token_ids for r in requests] == expected_outputs(requests)
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -377,4 +365,4 @@ def test_a_prefix_hit_on_blocks_another_request_holds_earns_no_credit() -> None:
         engine.step()
         assert b.state is RequestState.WAITING
     run(scheduler, [])
-    assert [a.output_token_ids, b.output_token_ids] == fake_outputs([a, b])
+    assert [a.output_token_ids, b.output_token_ids] == expected_outputs([a, b])
