@@ -33,9 +33,6 @@ from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
 
-# fp16 keeps 11 significant bits: two values one rounding apart differ by at most 2^-10 of themselves.
-FP16_ULP = 2.0**-10
-
 
 def test_pool_is_fp16_at_half_the_bytes(tiny_llama_engine: Path, tiny_llama_kv16_engine: Path) -> None:
     """Same limits and shape as the fp32 engine; the step still computes in fp32."""
@@ -82,7 +79,7 @@ def test_compiled_greedy_equals_the_fp32_kv_engine(tiny_llama_engine: Path, tiny
 def test_compiled_matches_eager_and_reference(tiny_llama_kv16_engine: Path) -> None:
     """The three modes agree as they do with an fp32 pool; K/V at most one fp16 rounding apart
     (a ~1e-8 fp32 difference on a rounding boundary flips the last bit: 1 element of 8832 eager
-    vs reference, a few hundred compiled vs reference, measured)."""
+    vs reference, a few hundred compiled vs reference, measured; on an AMX Xeon 4 and 2)."""
     results = {}
     for mode in (StepMode.REFERENCE, StepMode.EAGER, StepMode.COMPILED):
         engine = Engine.load(tiny_llama_kv16_engine, mode)
@@ -92,7 +89,19 @@ def test_compiled_matches_eager_and_reference(tiny_llama_kv16_engine: Path) -> N
         logits, kv = results[mode]
         assert kv.dtype == torch.float16
         assert (logits - compiled_logits).abs().max().item() < FP32_TOLERANCE, mode
-        assert torch.allclose(kv.float(), compiled_kv.float(), rtol=FP16_ULP, atol=0), mode
+        assert fp16_ulps_apart(kv, compiled_kv).max().item() <= 1, mode
+
+
+def fp16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many fp16 values lie between a and b, elementwise: a relative tolerance misses the
+    subnormals (below 6.1e-5 one rounding is 6e-8, far more than 2^-10 of the value; measured on
+    an AMX Xeon: -5.0008e-05 vs -5.0068e-05, one step apart)."""
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:  # fp16 bit patterns on one monotonic integer line
+        bits = x.view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
 
 
 def test_llm_serves_the_same_greedy_tokens(tiny_llama_engine: Path, tiny_llama_kv16_engine: Path) -> None:
