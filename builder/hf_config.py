@@ -100,8 +100,8 @@ def _gemma_spec(config: Any, spec: ModelSpec) -> ModelSpec:
     name = config.model_type
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(f"{name} use_bidirectional_attention is not supported (causal only)")
-    activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
-    if activation != "gelu_pytorch_tanh":
+    activation = getattr(config, "hidden_activation", None) or Activation.GELU_TANH.value
+    if activation != Activation.GELU_TANH:
         raise UnsupportedModelError(
             f"{name} hidden_activation {activation!r} is not supported; only 'gelu_pytorch_tanh'"
         )
