@@ -388,7 +388,7 @@ def run_mode(
     llm = LLM(
         engine,
         speculative=mode,
-        num_speculative_tokens=args.num_speculative_tokens,
+        **({} if args.num_speculative_tokens is None else {"num_speculative_tokens": args.num_speculative_tokens}),
         calibrate=not args.no_calibrate,
         max_batch_size=args.max_batch_size,
     )
@@ -518,7 +518,7 @@ def main() -> None:
     parser.add_argument("--engine", default=None, help="default: a SmolLM2 Q4_1 --compute int8 engine, built if none")
     parser.add_argument("--rounds", type=int, default=3, help="each mode runs once per round")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the runtime's")
     parser.add_argument("--max-batch-size", type=int, default=None, help="seats (default: the engine's)")
     parser.add_argument("--clients", default="16,32", help="concurrent streams of the mixed workload")
     parser.add_argument("--requests-per-client", type=int, default=None, help="default 2, quick 1")

@@ -76,10 +76,13 @@ class Request:
     # far (kept across preemption: the tokens do not change), and how many blocks are published.
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
-    # Speculation (runtime/speculation/planner.py): decayed counts of drafted tokens that held and
-    # that were tried (a rejection ends a draft: the tokens after it are never tried).
+    # Speculation (runtime/speculation/planner.py): decayed counts of drafts whose first token held
+    # and of drafts tried, and of later draft tokens that held once the one before had held and of
+    # those tried (a rejection ends a draft: the tokens after it are never tried).
     draft_accepted: float = 0.0
     draft_tried: float = 0.0
+    draft_run_accepted: float = 0.0
+    draft_run_tried: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,9 @@
 """SpeculationPlanner: how many drafted tokens each decoding request verifies this step.
 
 A draft token is one more row of its request in the packed step. Its worth is the tokens it is
-expected to add, alpha^j for the j-th (a request's running per-token acceptance rate, compounded),
-against what the step budget's cost model says it adds to the step. A request gets the draft
+expected to add, p * r^(j-1) for the j-th (p: how often the request's drafts have held their first
+token, r: how often a later token held once the one before it had), against what the step budget's
+cost model says it adds to the step. A request gets the draft
 length that most raises the step's expected tokens per millisecond, and only if that beats the
 step without it by a margin: a lone stream (one row, the weights read for one token) speculates
 deep; a compute-bound batch, whose every row already earns a token, stops by itself. Drafts
@@ -36,7 +37,12 @@ logger = logging.getLogger(__name__)
 # chat's about 1.7x (0.35 acceptance, measured 1.01-1.12x over no drafts), so 50% keeps both.
 MIN_RATE_GAIN = 0.5
 # Acceptance is tracked per request with this decay per verified draft (a window of ~10 drafts),
-# from a prior of one accepted and one rejected token: a new request starts at 0.5. A step
+# from a prior of one accepted and one rejected token: a new request starts at 0.5, for the first
+# token and for the run after it. Two rates, not one per-token rate: drafts copied from the prompt
+# hold in runs (a quoted passage holds to its end, a wrong guess fails at once), so one rate
+# compounded (alpha^j) priced the 8th token of a copy near 0.1 and cut every draft at ~5 tokens.
+# Measured over bench/speculative.py's edit prompts (SmolLM2, greedy): first tokens held 0.84, a
+# token after a held one 0.94; open chat 0.42 and 0.71. A step
 # without a draft only ages the evidence, more slowly, so a request whose drafts stopped paying
 # drifts back toward the prior and is tried again now and then (without it one bad draft could
 # leave a rate too low ever to draft again; with the fast decay, an always-wrong proposer was
@@ -79,8 +85,27 @@ class DraftRoom:
     has_prompt_chunk: bool = False  # some request prefills more than one prompt token this step
 
 
+@dataclass(frozen=True, slots=True)
+class DraftOdds:
+    """A request's chances: its next draft's first token holds with `first`; every later one,
+    given the one before held, with `run`."""
+
+    first: float
+    run: float
+
+    def expected_extra_tokens(self, num_draft: int) -> float:
+        """p + p r + ... + p r^(k-1): the j-th draft counts only if every one before it held."""
+        return self.first * sum(self.run**j for j in range(num_draft))
+
+
 def acceptance_rate(request: Request) -> float:
+    """How often the request's drafts have held their first token (decayed, from the prior)."""
     return (request.draft_accepted + _PRIOR_ACCEPTED) / (request.draft_tried + _PRIOR_TRIED)
+
+
+def draft_odds(request: Request) -> DraftOdds:
+    run = (request.draft_run_accepted + _PRIOR_ACCEPTED) / (request.draft_run_tried + _PRIOR_TRIED)
+    return DraftOdds(acceptance_rate(request), run)
 
 
 def draft_limit(request: Request, max_draft: int, max_seq_len: int) -> int:
@@ -109,16 +134,11 @@ def matching_prefix(draft: Sequence[int], tokens: Sequence[int]) -> int:
     return held
 
 
-def expected_extra_tokens(alpha: float, num_draft: int) -> float:
-    """alpha + alpha^2 + ... + alpha^k: the j-th draft counts only if every one before it held."""
-    return sum(alpha**j for j in range(1, num_draft + 1))
-
-
 def _worth(
     budget: StepBudget,
     shape: StepShape,
     request: Request,
-    alpha: float,
+    odds: DraftOdds,
     limit: int,
     step_ms: float,
     emitted: float,
@@ -140,7 +160,7 @@ def _worth(
         predicted = budget.predict_ms(with_draft(shape, request, k))
         if predicted is None or predicted <= 0 or (target_ms is not None and predicted > target_ms):
             break
-        gain = expected_extra_tokens(alpha, k)
+        gain = odds.expected_extra_tokens(k)
         added_ms = predicted * drafted_ratio - now_ms
         if proposer is not None:
             added_ms += proposer.draft_ms(request, k)
@@ -214,18 +234,18 @@ class SpeculationPlanner:
             limit = min(draft_limit(request, self.max_draft, room.max_seq_len), tokens_left, rows_left)
             if limit <= 0:
                 continue
-            alpha = acceptance_rate(request)
+            odds = draft_odds(request)
             ratios = (self.with_drafts.ratio if drafts else self.without_drafts.ratio, self.with_drafts.ratio)
             if step_ms is not None:
                 # The longest draft that would pay; none: skip the lookup (or the draft engine).
-                limit = _worth(budget, shape, request, alpha, limit, step_ms, emitted, target_ms, ratios, self.proposer)
+                limit = _worth(budget, shape, request, odds, limit, step_ms, emitted, target_ms, ratios, self.proposer)
                 if not limit:
                     continue
             draft = self.proposer.propose(request, limit)[:limit]
             if step_ms is not None:
                 draft = draft[
                     : _worth(
-                        budget, shape, request, alpha, len(draft), step_ms, emitted, target_ms, ratios, self.proposer
+                        budget, shape, request, odds, len(draft), step_ms, emitted, target_ms, ratios, self.proposer
                     )
                 ]
             if not draft:
@@ -236,17 +256,19 @@ class SpeculationPlanner:
             if step_ms is not None:
                 shape = with_draft(shape, request, len(draft))
                 step_ms = budget.predict_ms(shape) or step_ms
-                emitted += expected_extra_tokens(alpha, len(draft))
+                emitted += odds.expected_extra_tokens(len(draft))
         return drafts
 
     def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
         """A sampled step: the first `num_accepted` of its `num_draft` draft tokens held (0 of 0:
-        no draft, the evidence only ages). Tokens after a rejection were never tried, so the
-        per-token rate counts the rejection once."""
-        tried = num_accepted + (1 if num_accepted < num_draft else 0)
+        no draft, the evidence only ages). The first token was tried if there was a draft; a later
+        one only if the one before held, so a rejection counts once, where it happened."""
         decay = ACCEPTANCE_DECAY if num_draft else IDLE_DECAY
-        request.draft_accepted = request.draft_accepted * decay + num_accepted
-        request.draft_tried = request.draft_tried * decay + tried
+        run_tried = min(num_accepted, num_draft - 1) if num_accepted else 0
+        request.draft_accepted = request.draft_accepted * decay + (1 if num_accepted else 0)
+        request.draft_tried = request.draft_tried * decay + (1 if num_draft else 0)
+        request.draft_run_accepted = request.draft_run_accepted * decay + max(0, num_accepted - 1)
+        request.draft_run_tried = request.draft_run_tried * decay + run_tried
 
     def finished(self, request: Request) -> None:
         self.proposer.finished(request)

@@ -56,17 +56,23 @@ class Match:
 def longest_match(haystack: bytes, tail: Sequence[int], min_n: int, max_n: int, limit: int) -> Match | None:
     """The continuation of the longest (n from max_n down to min_n) and then most recent match of
     `tail`'s last n tokens in `haystack`. The shortest is looked up first: without it no longer
-    one exists, so a miss (most lookups in open chat) costs one scan, not one per length."""
+    one exists, so a miss (most lookups in open chat) costs one scan. Past it, n is bisected:
+    an n-token match holds its (n-1)-token suffix one token later, still with a token after it,
+    so whether n matches is monotone and a long `max_n` costs log2(max_n - min_n) scans."""
     if len(tail) < min_n:
         return None
-    shortest = continuation_after(haystack, pack(tail[-min_n:]), limit)
-    if not shortest:
+    found = continuation_after(haystack, pack(tail[-min_n:]), limit)
+    if not found:
         return None
-    for n in range(min(max_n, len(tail)), min_n, -1):
+    best, low, high = Match(unpack(found), min_n), min_n + 1, min(max_n, len(tail))
+    while low <= high:
+        n = (low + high) // 2
         found = continuation_after(haystack, pack(tail[-n:]), limit)
         if found:
-            return Match(unpack(found), n)
-    return Match(unpack(shortest), min_n)
+            best, low = Match(unpack(found), n), n + 1
+        else:
+            high = n - 1
+    return best
 
 
 class PromptLookupProposer:

@@ -52,8 +52,11 @@ def decoding(
     num_output: int = 3,
     max_tokens: int = 100,
     rate: tuple[float, float] | None = None,
+    run_rate: tuple[float, float] | None = None,
 ) -> Request:
-    """A running request decoding its next token: `num_output` outputs, all but the last computed."""
+    """A running request decoding its next token: `num_output` outputs, all but the last computed.
+    `rate`: (held, tried) of its drafts' first tokens, and of the tokens after them unless
+    `run_rate` says otherwise."""
     prompt = list(tokens) if tokens is not None else list(range(100, 120))
     request = make_request(0, max_tokens, prompt=prompt[: len(prompt) - num_output])
     request.token_ids[:] = prompt
@@ -61,6 +64,9 @@ def decoding(
     request.state = RequestState.RUNNING
     if rate is not None:
         request.draft_accepted, request.draft_tried = rate
+        request.draft_run_accepted, request.draft_run_tried = rate
+    if run_rate is not None:
+        request.draft_run_accepted, request.draft_run_tried = run_rate
     return request
 
 
@@ -185,6 +191,27 @@ def test_prompt_lookup_truncates_to_max_tokens_and_to_what_is_there() -> None:
     assert proposer.propose(with_tokens(tokens), 100) == [6, 7, 8, 9, 10, 4, 5]
     near_end = [3, 1, 3]
     assert PromptLookupProposer(1, 1).propose(with_tokens(near_end), 5) == [1, 3]
+
+
+def reference_lookup(tokens: Sequence[int], min_n: int, max_n: int, limit: int) -> list[int]:
+    """Prompt lookup by its definition, position by position: the longest n, then the latest start."""
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        tail = list(tokens[-n:])
+        starts = [i for i in range(len(tokens) - n) if list(tokens[i : i + n]) == tail]
+        if starts:
+            return list(tokens[starts[-1] + n : starts[-1] + n + limit])
+    return []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_prompt_lookup_equals_the_position_by_position_definition(seed: int) -> None:
+    """Random short alphabets (many partial matches of every length) against the definition: the
+    bisection over n finds the same longest, latest match as trying every n."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 120))]
+    for min_n, max_n in [(1, 1), (1, 16), (2, 4), (3, 9)]:
+        got = PromptLookupProposer(min_n, max_n).propose(with_tokens(tokens), 7)
+        assert got == reference_lookup(tokens, min_n, max_n, 7), (min_n, max_n)
 
 
 def test_prompt_lookup_respects_min_n() -> None:
@@ -414,6 +441,38 @@ def test_low_acceptance_gets_a_shorter_draft_than_high_under_the_same_budget() -
         drafts = SpeculationPlanner(Always(), 8).plan(room([decoding(rate=rate)]), FixedBudget(MIDDLE))
         lengths[name] = sum(len(d) for d in drafts.values())
     assert lengths["high"] > 0 and lengths["low"] == 0
+
+
+def test_drafts_that_hold_in_runs_are_drafted_longer_than_the_same_first_token_odds_alone() -> None:
+    """Copying from the prompt holds in runs: two requests whose drafts hold their first token
+    equally often, one of which then keeps holding, the other not. The runner gets the longer draft."""
+    budget = FixedBudget(StepCostModel(10.0, 0.5, 0.5, 0.0, 0.0))
+    lengths = {}
+    for name, run_rate in [("runs", (19.0, 20.0)), ("scattered", (3.0, 10.0))]:
+        drafts = SpeculationPlanner(Always(), 16).plan(room([decoding(rate=(6.0, 10.0), run_rate=run_rate)]), budget)
+        lengths[name] = sum(len(d) for d in drafts.values())
+    assert lengths["runs"] > lengths["scattered"] > 0
+
+
+@pytest.mark.parametrize(
+    ("num_draft", "num_accepted", "first", "run"),
+    [
+        (5, 0, (0, 1), (0, 0)),
+        (5, 3, (1, 1), (2, 3)),
+        (5, 5, (1, 1), (4, 4)),
+        (1, 1, (1, 1), (0, 0)),
+        (0, 0, (0, 0), (0, 0)),
+    ],
+)
+def test_a_verified_draft_counts_its_first_token_and_each_later_token_tried_after_a_held_one(
+    num_draft: int, num_accepted: int, first: tuple[int, int], run: tuple[int, int]
+) -> None:
+    """(held, tried): the first token is tried by any draft; a later one only once the one before
+    it held, so the tokens after a rejection are not counted as tried."""
+    request = decoding()
+    SpeculationPlanner(Always(), 8).observe(request, num_draft, num_accepted)
+    assert (request.draft_accepted, request.draft_tried) == first
+    assert (request.draft_run_accepted, request.draft_run_tried) == run
 
 
 def test_the_request_with_the_better_rate_is_served_first_when_tokens_are_short() -> None:
