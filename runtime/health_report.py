@@ -33,7 +33,8 @@ def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:
 
 
 def speculative_block(snapshot: EngineSnapshot, config: RuntimeConfig) -> dict[str, Any]:
-    """What speculation is set to and how its drafts fare (over the server's life so far)."""
+    """What speculation is set to and how its drafts fare: over the server's life so far, and
+    the acceptance rate of about the last 100 drafts (`recent_acceptance_rate`)."""
     c, spec = snapshot.counters, config.speculation
     return {
         "method": spec.method.value,
@@ -44,6 +45,9 @@ def speculative_block(snapshot: EngineSnapshot, config: RuntimeConfig) -> dict[s
         "num_accepted_tokens": c.spec_num_accepted_tokens,
         "acceptance_rate": round(c.spec_num_accepted_tokens / c.spec_num_draft_tokens, 4)
         if c.spec_num_draft_tokens
+        else None,
+        "recent_acceptance_rate": round(c.spec_recent_accepted_tokens / c.spec_recent_draft_tokens, 4)
+        if c.spec_recent_draft_tokens
         else None,
         "mean_accepted_length": round(c.spec_num_accepted_tokens / c.spec_num_drafts, 3) if c.spec_num_drafts else None,
         "tokens_per_step": round(c.generation_tokens / c.num_steps, 3) if c.num_steps else None,

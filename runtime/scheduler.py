@@ -343,10 +343,7 @@ class Scheduler:
         accepted = matching_prefix(draft, tokens)
         self.speculation.observe(request, len(draft), accepted)
         if draft:
-            self.stats.spec_num_drafts += 1
-            self.stats.spec_num_draft_tokens += len(draft)
-            self.stats.spec_num_accepted_tokens += accepted
-            self.stats.spec_num_emitted_tokens += len(tokens)
+            self.stats.record_draft(len(draft), accepted, len(tokens))
 
     def tokens_before_stop(self, request: Request, tokens: Sequence[int]) -> int:
         """How many of `tokens` the request would append before a token stop ends it (the

@@ -33,10 +33,29 @@ class SchedulerCounters:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_emitted_tokens: int = 0
+    # The draft and accepted tokens again, each decayed by SPEC_RECENT_DECAY per verified draft:
+    # their ratio is the acceptance rate of about the last 100 drafts, what /health calls current
+    # (the lifetime ratio of a long-running server hardly moves when its traffic changes).
+    spec_recent_draft_tokens: float = 0.0
+    spec_recent_accepted_tokens: float = 0.0
 
     @property
     def queue_latency_avg_s(self) -> float:
         return self.queue_latency_total_s / self.num_admitted if self.num_admitted else 0.0
+
+
+SPEC_RECENT_DECAY = 0.99
+
+
+def _record_draft(stats: Any, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+    """A verified draft of `num_draft` tokens, `num_accepted` of which held; its step emitted
+    `num_emitted` tokens for the request."""
+    stats.spec_num_drafts += 1
+    stats.spec_num_draft_tokens += num_draft
+    stats.spec_num_accepted_tokens += num_accepted
+    stats.spec_num_emitted_tokens += num_emitted
+    stats.spec_recent_draft_tokens = stats.spec_recent_draft_tokens * SPEC_RECENT_DECAY + num_draft
+    stats.spec_recent_accepted_tokens = stats.spec_recent_accepted_tokens * SPEC_RECENT_DECAY + num_accepted
 
 
 def _record_queue_latency(stats: Any, seconds: float) -> None:
@@ -55,6 +74,11 @@ def _freeze(stats: Any) -> SchedulerCounters:
 SchedulerStats = make_dataclass(
     "SchedulerStats",
     [(f.name, f.type, field(default=f.default)) for f in fields(SchedulerCounters)],
-    namespace={"record_queue_latency": _record_queue_latency, "freeze": _freeze, "__module__": __name__},
+    namespace={
+        "record_queue_latency": _record_queue_latency,
+        "record_draft": _record_draft,
+        "freeze": _freeze,
+        "__module__": __name__,
+    },
     slots=True,
 )

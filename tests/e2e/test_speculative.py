@@ -244,6 +244,7 @@ def test_completions_n_and_metrics_over_http(tiny_q4_gguf_engine: Path) -> None:
     assert health["speculative"]["draft_engine"] is None
     drafts = health["speculative"]["num_drafts"]
     assert drafts > 0 and 0 <= health["speculative"]["acceptance_rate"] <= 1
+    assert 0 <= health["speculative"]["recent_acceptance_rate"] <= 1
     assert re.search(rf"^ifb:spec_decode_num_drafts_total {drafts}\.0$", metrics, re.M), metrics
     assert re.search(rf"^ifb:spec_decode_acceptance_length_count {drafts}\.0$", metrics, re.M)
 

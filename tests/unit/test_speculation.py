@@ -17,6 +17,7 @@ from ifb.runtime.request import FinishReason, Request, RequestState
 from ifb.runtime.runtime_config import RuntimeSettings
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import ScheduledBatch, Scheduler
+from ifb.runtime.scheduler_stats import SchedulerStats
 from ifb.runtime.speculation.config import SpeculativeConfig, SpeculativeMethod, parse_speculative_config
 from ifb.runtime.speculation.draft_model import DraftContext, DraftModelProposer
 from ifb.runtime.speculation.planner import DraftRoom, SpeculationPlanner, acceptance_rate
@@ -585,6 +586,21 @@ def test_the_planner_drafts_less_for_a_request_whose_drafts_fail() -> None:
     assert first == 2
     assert max(drafted[-10:]) < first and drafted[-10:].count(0) >= 5
     assert len(proposer.asked) < steps
+
+
+def test_the_recent_acceptance_rate_follows_a_change_the_lifetime_rate_averages_away() -> None:
+    """300 drafts that all failed, then 300 that all held: over the server's life half held; over
+    about the last 100 drafts nearly all did: the new drafts carry (1 - 0.99^300) / (1 - 0.99^600)
+    of the decayed weight."""
+    stats = SchedulerStats()
+    for accepted in (0, 4):
+        for _ in range(300):
+            stats.record_draft(4, accepted, accepted + 1)
+    counters = stats.freeze()
+    assert counters.spec_num_accepted_tokens / counters.spec_num_draft_tokens == 0.5
+    recent = counters.spec_recent_accepted_tokens / counters.spec_recent_draft_tokens
+    assert recent == pytest.approx((1 - 0.99**300) / (1 - 0.99**600))
+    assert (counters.spec_num_drafts, counters.spec_num_emitted_tokens) == (600, 300 * 1 + 300 * 5)
 
 
 def test_speculation_publishes_the_same_prefix_blocks() -> None:
