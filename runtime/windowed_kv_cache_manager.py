@@ -102,6 +102,30 @@ class WindowedKVCacheManager(KVCacheManager):
     def blocks_needed_to_admit(self, request: Request, prefix_block_ids: list[int]) -> int:
         return self.window.max_blocks_held(request.max_total_tokens)
 
+    # -- prefix reuse -------------------------------------------------------------------------
+    def match_prefix(self, request: Request) -> list[int]:
+        """The longest cached prefix whose live blocks are cached; its dead entries are the null
+        block. A hit of h blocks is read from block num_dead_blocks(h * block_size) on, so the
+        blocks before need not be cached, and under pressure they are the first to go: a request
+        gives its dead blocks back as it goes, so the LRU evicts a long prompt's beginning first,
+        and matching from block 0 lost the whole hit with it (vLLM matches sliding-window
+        prefixes from the right for the same reason)."""
+        if not self.enable_prefix_reuse:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        cached = [self._cached.get(block_hash) for block_hash in self._block_hashes(request, max_blocks)]
+        run = 0  # cached blocks in a row ending at cached[end - 1]
+        best: list[int] = []
+        for end, block_id in enumerate(cached, start=1):
+            run = run + 1 if block_id is not None else 0
+            dead = self.window.num_dead_blocks(end * self.block_size)
+            if run >= end - dead:
+                best = [self.null_block_id] * dead + [b for b in cached[dead:end] if b is not None]
+        return best
+
+    def num_free_among(self, block_ids: Iterable[int]) -> int:
+        return super().num_free_among(b for b in block_ids if b != self.null_block_id)
+
     # -- freeing ------------------------------------------------------------------------------
     def admit(self, request: Request, prefix_block_ids: list[int]) -> None:
         """A long prefix hit may start past the window: its dead blocks go straight back."""
@@ -127,6 +151,10 @@ class WindowedKVCacheManager(KVCacheManager):
     def _release(self, block_id: int) -> None:
         if block_id != self.null_block_id:  # the null block is nobody's: never counted or freed
             super()._release(block_id)
+
+    def _take(self, block_id: int) -> None:
+        if block_id != self.null_block_id:  # a prefix hit's dead entries (match_prefix)
+            super()._take(block_id)
 
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self, live_requests: Iterable[Request]) -> None:

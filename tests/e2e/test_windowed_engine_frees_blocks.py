@@ -6,8 +6,8 @@ every layer sliding (window 20, blocks of 16), a request of 240 tokens (15 block
 pool of 13 (12 usable beside the null block), holding at most 4 blocks at once
 (ceil((24 + 20 - 1) / 16) + 1, steps of 24 tokens), and its greedy tokens are transformers' fp32.
 Three such requests run together in that pool, each as it runs alone and as transformers; and a
-prompt whose prefix another request computed reuses those blocks (the dead ones are given back
-at once) and still equals transformers. Without freeing, admission refuses each request whole
+prompt whose prefix another request computed reuses those blocks (matched from the right: the
+entries the window no longer reads are holes from the start) and still equals transformers. Without freeing, admission refuses each request whole
 (15 blocks > 13), so every test here fails; freeing a block one position early fails too.
 """
 
@@ -119,8 +119,9 @@ def test_requests_run_together_past_the_window_each_as_alone_and_as_transformers
 
 def test_a_reused_prefix_past_the_window_equals_transformers(llm: LLM, hf: torch.nn.Module) -> None:
     """A computes a 64-token prefix (its first 3 blocks slide out but stay cached); B, the same
-    prefix then 20 tokens of its own, hits all 4 blocks (64 tokens), holds only the last, and
-    generates 150 tokens past the window as transformers does."""
+    prefix then 20 tokens of its own, hits all 64 tokens (blocks 0-1, which a query at 64 no
+    longer reads, as holes; 2-3 shared), and generates 150 tokens past the window as
+    transformers does."""
     vocab = llm.engine_config.spec.vocab_size
     shared, own_a, own_b = prompts(vocab, [64, 6, 20], seed=8)
     llm.generate(shared + own_a, _greedy(8))

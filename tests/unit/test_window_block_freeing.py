@@ -159,8 +159,8 @@ def test_the_null_block_is_reserved_never_handed_out_and_never_freed() -> None:
 
 def test_freed_blocks_stay_cached_and_a_later_prompt_reuses_them() -> None:
     """A's 24-token prompt frees its first 4 blocks, but they stay in the prefix cache: B's
-    identical prompt (plus one token) hits all 6, the dead 4 go straight back as holes, and B
-    shares A's 2 live blocks."""
+    identical prompt (plus one token) hits all 24 tokens, its dead 4 entries holes from the start
+    (nothing B reads), and B shares A's 2 live blocks."""
     kv = windowed_kv(window=6)
     prompt = list(range(10, 34))
     a = make_request(0, 4, prompt=prompt)
@@ -172,7 +172,7 @@ def test_freed_blocks_stay_cached_and_a_later_prompt_reuses_them() -> None:
     assert holes(kv, a) == [0, 1, 2, 3] and kv.num_cached_blocks == 6
     b = make_request(0, 4, prompt=[*prompt, 7])
     hits = kv.match_prefix(b)
-    assert hits == table
+    assert hits == [kv.null_block_id] * 4 + table[4:]
     kv.admit(b, hits)
     assert b.num_computed_tokens == 24 and b.block_ids == a.block_ids
     assert [kv.blocks[i].ref_count for i in table[4:]] == [2, 2]
@@ -180,6 +180,35 @@ def test_freed_blocks_stay_cached_and_a_later_prompt_reuses_them() -> None:
     kv.check_integrity([a, b])
     compute(kv, b, 1)
     kv.free(a), kv.free(b)
+    kv.check_integrity([])
+
+
+def test_a_prefix_whose_dead_blocks_were_evicted_still_hits_from_the_right() -> None:
+    """A's 24-token prompt (window 6) gives back blocks 0-3 as it computes, then the rest as it
+    finishes: 3, 2, 1, 0 and then 5, 4 join the free list's tail. A stranger's 9 blocks take the 5
+    never used and evict 0-3, leaving 4-5 (what a query at position 24 reads) cached. B's same
+    prompt still hits all 24 tokens (matched from block 0 it hit none); C's, whose block 5
+    differs, hits nothing: a query at 20 reads block 3, which is gone."""
+    kv = windowed_kv(num_blocks=12, window=6)
+    prompt = list(range(10, 34))
+    a = make_request(0, 4, prompt=prompt)
+    kv.admit(a, kv.match_prefix(a))
+    compute(kv, a, 24)
+    live = a.block_ids[4:]
+    kv.free(a)
+    stranger = make_request(0, 4, prompt=list(range(100, 136)))
+    kv.admit(stranger, kv.match_prefix(stranger))
+    assert kv.allocate(stranger, 36) and kv.num_free_blocks == 2 and kv.num_cached_blocks == 2
+    b = make_request(0, 4, prompt=[*prompt, 7])
+    hits = kv.match_prefix(b)
+    assert hits == [kv.null_block_id] * 4 + live
+    assert kv.num_free_among(hits) == 2
+    kv.admit(b, hits)
+    assert b.num_computed_tokens == 24 and b.block_ids == hits and kv.num_free_blocks == 0
+    kv.check_integrity([stranger, b])
+    c = make_request(0, 4, prompt=[*prompt[:20], 1, 2, 3, 4, 7])
+    assert kv.match_prefix(c) == []
+    kv.free(b), kv.free(stranger)
     kv.check_integrity([])
 
 
