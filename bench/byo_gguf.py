@@ -458,6 +458,11 @@ def main() -> None:
     parser.add_argument("--compute", default="default", help="comma-separated `ifb build --compute` values; "
                         "default = no flag (e.g. default,int8 or auto,int8)")  # fmt: skip
     parser.add_argument("--build-args", default="", help="extra `ifb build` arguments (one shell-quoted string)")
+    parser.add_argument(
+        "--llama-args",
+        default="",
+        help="extra llama-server arguments (one shell-quoted string), e.g. -nr where its weight repacking crashes",
+    )
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--clients", type=int, default=16, help="concurrent streaming clients (and llama-server -np)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
@@ -557,7 +562,8 @@ def main() -> None:
             llama = peers.Server(
                 "llama-server",
                 [str(peers.LLAMA_BIN), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                 "-np", str(args.clients), "-t", str(args.threads), "-c", str(ctx), "--cont-batching"],
+                 "-np", str(args.clients), "-t", str(args.threads), "-c", str(ctx), "--cont-batching",
+                 *shlex.split(args.llama_args)],
                 BYO / f"{model}.llama-server.log", f"http://127.0.0.1:{port}", "content",
             )  # fmt: skip
             entry["llama"] = serve(llama, args, prompts)
@@ -606,7 +612,8 @@ def report(data: dict[str, Any]) -> str:
     out.append(
         f"{w['prompt_tokens']}-token prompts, {w['max_tokens']} output tokens (ignore_eos, temperature 0), streaming "
         f"/v1/completions; 1 stream = {w['single_requests']} sequential requests; {w['clients']} concurrent clients; "
-        f"llama-server -np {w['clients']} -t {w['threads']} -c {w['llama_ctx']}; ifb engines --max-batch-size "
+        f"llama-server -np {w['clients']} -t {w['threads']} -c {w['llama_ctx']} {w.get('llama_args', '')}; "
+        f"ifb engines --max-batch-size "
         f"{w['max_batch_size']}, same KV tokens. Ratios in () are ifb / llama-server."
     )
     out.append(table(results, w["clients"]))
@@ -649,7 +656,7 @@ def workload(args) -> dict[str, Any]:
     return {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "clients": args.clients,
             "single_requests": args.single_requests, "threads": args.threads,
             "max_batch_size": args.max_batch_size, "compute": args.compute, "build_args": args.build_args,
-            "rss_cap_gb": args.rss_cap_gb, "ctx_margin": args.ctx_margin}  # fmt: skip
+            "llama_args": args.llama_args, "rss_cap_gb": args.rss_cap_gb, "ctx_margin": args.ctx_margin}  # fmt: skip
 
 
 def write_json(args, results, isa, ifb_desc, llama_build, ctx) -> None:
