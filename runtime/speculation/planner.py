@@ -3,13 +3,13 @@
 A draft token is one more row of its request in the packed step. Its worth is the tokens it is
 expected to add, p * r^(j-1) for the j-th (p: how often the request's drafts have held their first
 token, r: how often a later token held once the one before it had), against what the step budget's
-cost model says it adds to the step. A request gets the draft
-length that most raises the step's expected tokens per millisecond, and only if that beats the
-step without it by a margin: a lone stream (one row, the weights read for one token) speculates
-deep; a compute-bound batch, whose every row already earns a token, stops by itself. Drafts
-never push the predicted step past the budget's inter-token target, use tokens or logits rows
-the step no longer has, or run past a request's max_tokens or the sequence limit. Prefill
-chunks are chosen before drafts and never give way to them.
+cost model says it adds to the step. A request gets the draft length that most raises the step's
+expected tokens per millisecond, and only if that beats the step without it by a margin: a lone
+stream (one row, the weights read for one token) speculates deep; a compute-bound batch, whose
+every row already earns a token, stops by itself. Drafts never push the predicted step past the
+budget's inter-token target, use tokens or logits rows the step no longer has, or run past a
+request's max_tokens or the sequence limit. Prefill chunks are chosen before drafts and never give
+way to them.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ MIN_RATE_GAIN = 0.5
 # hold in runs (a quoted passage holds to its end, a wrong guess fails at once), so one rate
 # compounded (alpha^j) priced the 8th token of a copy near 0.1 and cut every draft at ~5 tokens.
 # Measured over bench/speculative.py's edit prompts (SmolLM2, greedy): first tokens held 0.84, a
-# token after a held one 0.94; open chat 0.42 and 0.71. A step
-# without a draft only ages the evidence, more slowly, so a request whose drafts stopped paying
-# drifts back toward the prior and is tried again now and then (without it one bad draft could
-# leave a rate too low ever to draft again; with the fast decay, an always-wrong proposer was
-# retried every other step).
+# token after a held one 0.94; open chat 0.42 and 0.71. A step without a draft only ages the
+# evidence, more slowly, so a request whose drafts stopped paying drifts back toward the prior and
+# is tried again now and then (without it one bad draft could leave a rate too low ever to draft
+# again; with the fast decay, an always-wrong proposer was retried every other step).
 ACCEPTANCE_DECAY = 0.9
 IDLE_DECAY = 0.97
 IDLE_RATIO_DRIFT = 0.01
@@ -104,6 +103,7 @@ def acceptance_rate(request: Request) -> float:
 
 
 def draft_odds(request: Request) -> DraftOdds:
+    """The request's first-token and run rates (decayed, each from the prior 1 of 2)."""
     run = (request.draft_run_accepted + _PRIOR_ACCEPTED) / (request.draft_run_tried + _PRIOR_TRIED)
     return DraftOdds(acceptance_rate(request), run)
 
