@@ -25,12 +25,14 @@ each exactly what splitting the whole reply gives (`split_reasoning`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end `qwen3` reads to see an open <think>
+T = TypeVar("T")
 
 
 class ReasoningParserKind(str, enum.Enum):
@@ -80,7 +82,7 @@ class ReasoningStream:
         if closed:
             self.state = _State.CONTENT
             return ReasoningSplit(reasoning, content)
-        keep = _partial_tag_length(pending, THINK_CLOSE)
+        keep = partial_tag_length(pending, THINK_CLOSE)
         self.held = pending[len(pending) - keep :]
         return ReasoningSplit(reasoning=pending[: len(pending) - keep])
 
@@ -158,9 +160,10 @@ def make_reasoning_parser(kind: ReasoningParserKind | None) -> ReasoningParser:
     raise AssertionError(kind)
 
 
-def _partial_tag_length(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could be the start of `tag`."""
+def partial_tag_length(text: Sequence[T], tag: Sequence[T]) -> int:
+    """How many trailing items of `text` (characters, or token ids) could be the start of `tag`:
+    what a stream holds back, or how much of a closing tag a reply already ends with."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
+        if tuple(text[-size:]) == tuple(tag[:size]):
             return size
     return 0

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ifb.runtime.errors import AdmissionError
+from ifb.runtime.reasoning import partial_tag_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,7 @@ class ReasoningBudget:
         reasoning = list(reply[start:])
         if _contains(reasoning, self.close_ids):
             return None  # closed by the model (or by earlier forcing): the answer is free
-        return self.close_ids[_partial_close(reasoning, self.close_ids)]
+        return self.close_ids[partial_tag_length(reasoning, self.close_ids)]  # forcing under way
 
     def _reasoning_start(self, reply: Sequence[int]) -> int | None:
         """Where the block's tokens start in the reply; None outside one (or not yet known)."""
@@ -74,11 +75,3 @@ def _contains(tokens: list[int], tag: tuple[int, ...]) -> bool:
             at += 1
     except ValueError:
         return False
-
-
-def _partial_close(tokens: list[int], tag: tuple[int, ...]) -> int:
-    """How many of the tag's tokens the reply already ends with (forcing under way)."""
-    for size in range(min(len(tag) - 1, len(tokens)), 0, -1):
-        if tuple(tokens[-size:]) == tag[:size]:
-            return size
-    return 0

@@ -29,6 +29,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ifb.runtime.reasoning import partial_tag_length
+
 HERMES_OPEN = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_OPEN = "[TOOL_CALLS]"
@@ -228,7 +230,7 @@ class CallHoldBack:
         if found:
             self.opened, self.held = True, pending[min(found) :]
             return pending[: min(found)]
-        keep = max((_partial_length(pending, m) for m in self.markers.anywhere), default=0)
+        keep = max((partial_tag_length(pending, m) for m in self.markers.anywhere), default=0)
         self.held = pending[len(pending) - keep :]
         return pending[: len(pending) - keep]
 
@@ -274,11 +276,3 @@ def _skip(text: str, position: int) -> int:
     while position < len(text) and text[position] in _SEPARATORS:
         position += 1
     return position
-
-
-def _partial_length(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could be the start of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
