@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ifb.runtime.request import FinishReason
@@ -65,3 +67,19 @@ class CompletionOutput:
             e2e_s=last.e2e_s,
             error=last.error,
         )
+
+
+async def until_final(
+    inbox: asyncio.Queue[RequestOutput], abandoned: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    """One request's deltas from `inbox`, up to its final one; a consumer that closes or cancels
+    the iterator before then calls `abandoned` (which aborts the request)."""
+    finished = False
+    try:
+        while not finished:
+            output = await inbox.get()
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:
+            abandoned()

@@ -19,7 +19,7 @@ from ifb.runtime.executor import Executor
 from ifb.runtime.frontend import PreparedRequest
 from ifb.runtime.live_request import Sink
 from ifb.runtime.loop_mailbox import LoopMailbox
-from ifb.runtime.outputs import RequestOutput
+from ifb.runtime.outputs import RequestOutput, until_final
 
 
 class RequestChannel:
@@ -88,7 +88,8 @@ class RequestChannel:
         streams = []
         for item in prepared:
             inbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            streams.append(self._drain_async(self._enqueue(item, functools.partial(mailbox.post, inbox)), inbox))
+            request_id = self._enqueue(item, functools.partial(mailbox.post, inbox))
+            streams.append(until_final(inbox, functools.partial(self.abort, request_id)))
         return streams
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
@@ -97,15 +98,3 @@ class RequestChannel:
             if mailbox is None:
                 mailbox = self._mailboxes[loop] = LoopMailbox(loop)
             return mailbox
-
-    async def _drain_async(self, request_id: str, inbox: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Cancelling or closing the consumer aborts the request inside the engine."""
-        finished = False
-        try:
-            while not finished:
-                output = await inbox.get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.abort(request_id)

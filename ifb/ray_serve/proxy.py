@@ -27,7 +27,7 @@ from ifb.runtime.engine_client import HealthReport, Job
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, IfbError, QueueFullError
 from ifb.runtime.frontend_client import FrontendClient
-from ifb.runtime.outputs import RequestOutput
+from ifb.runtime.outputs import RequestOutput, until_final
 from ifb.runtime.request import FinishReason
 from ifb.runtime.runtime_config import RuntimeSettings
 
@@ -171,18 +171,7 @@ class _Call:
                 queue.put_nowait(RequestOutput(self.request_ids[i], (), "", True, FinishReason.ERROR, error=message))
 
     def streams(self) -> list[AsyncIterator[RequestOutput]]:
-        return [self._stream(i) for i in range(len(self.queues))]
-
-    async def _stream(self, index: int) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                output = await self.queues[index].get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.cancel()
+        return [until_final(queue, self.cancel) for queue in self.queues]
 
     def cancel(self) -> None:
         for request_id in self.request_ids:

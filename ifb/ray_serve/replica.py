@@ -22,7 +22,7 @@ from ifb.runtime.engine_client import Job
 from ifb.runtime.errors import AdmissionError, IfbError
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.runtime_config import RuntimeSettings
-from ifb.runtime.server.streams import close, first_delta, merge
+from ifb.runtime.server.streams import close_all, first_delta, merge
 from ifb.runtime.step.engine import set_compute_threads
 
 logger = logging.getLogger(__name__)
@@ -91,11 +91,7 @@ class IfbReplica:
             async for index, output in merged:
                 yield Delta(index, output)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for stream in streams:
-                await close(stream)
+            await close_all(streams, tasks)
 
     def ping(self) -> str:
         return self.replica

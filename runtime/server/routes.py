@@ -26,7 +26,7 @@ from ifb.runtime.server.openai_protocol import (
     TokenizeRequest,
 )
 from ifb.runtime.server.responses import Choice, ResponseShape, first_error
-from ifb.runtime.server.streams import close, collect_all, first_delta, refuse_queue_timeouts, sse_events
+from ifb.runtime.server.streams import close_all, collect_all, first_delta, refuse_queue_timeouts, sse_events
 from ifb.runtime.server.tool_parsers import ToolCallParser
 from ifb.runtime.server.tools import ToolPlan
 
@@ -144,8 +144,7 @@ class Routes:
         try:  # a queue timeout (429) surfaces before any byte is sent
             first = list(await asyncio.gather(*(first_delta(s) for s in streams)))
         except BaseException:
-            for stream in streams:
-                await close(stream)
+            await close_all(streams)
             raise
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = sse_events(shape, choices, streams, first, bool(include_usage))

@@ -5,7 +5,7 @@ Closing any of these closes the engine streams under it, which aborts unfinished
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from ifb.runtime.errors import QueueFullError
 from ifb.runtime.outputs import RequestOutput
@@ -22,9 +22,8 @@ class QueueTimeoutError(QueueFullError):
 async def refuse_queue_timeouts(stream: Stream) -> Stream:
     """A request the engine refused for waiting past the queue timeout raises a 429 (before any
     byte is sent); one that was admitted in time streams on, however long its prefill takes."""
-    try:
-        first = await stream.__anext__()
-    except StopAsyncIteration:
+    first = await first_delta(stream)
+    if first is None:
         return
     if first.timed_out_in_queue:
         raise QueueTimeoutError(first.error or "the request waited longer than the queue timeout")
@@ -33,8 +32,14 @@ async def refuse_queue_timeouts(stream: Stream) -> Stream:
         yield output
 
 
-async def close(stream: Stream) -> None:
-    await stream.aclose()  # type: ignore[attr-defined]
+async def close_all(streams: list[Stream], pumps: Sequence[asyncio.Task[None]] = ()) -> None:
+    """Stop the tasks pumping `streams` (merge's), then close each stream, which aborts its
+    request inside the engine unless it finished."""
+    for task in pumps:
+        task.cancel()
+    await asyncio.gather(*pumps, return_exceptions=True)
+    for stream in streams:
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def first_delta(stream: Stream) -> RequestOutput | None:
@@ -51,8 +56,7 @@ async def collect_all(streams: list[Stream]) -> list[list[RequestOutput]]:
     try:
         return list(await asyncio.gather(*(one(s) for s in streams)))
     finally:
-        for stream in streams:
-            await close(stream)
+        await close_all(streams)
 
 
 async def sse_events(
@@ -79,12 +83,8 @@ async def sse_events(
             yield shape.chunk([], usage=usage(choices, collected))
         yield "data: [DONE]\n\n"
     finally:  # client gone or done: stop the pumps, which aborts unfinished requests
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await merged.aclose()
-        for stream in streams:
-            await close(stream)
+        await close_all(streams, tasks)
 
 
 def merge(
