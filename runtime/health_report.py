@@ -11,20 +11,17 @@ from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
 from ifb.runtime.runtime_config import RuntimeConfig
 from ifb.runtime.step_budget.budgets import StepBudgetReport
 
+# The counters the scheduling block reports under their own names (the Edge-LLM seed's keys).
+_SCHEDULING_COUNTERS = (
+    "submitted completed cancelled failed refused admitted_mid_flight preempted "
+    "stalls_no_capacity stalls_token_budget stalls_batch_full"
+).split()
+
 
 def scheduling_block(snapshot: EngineSnapshot) -> dict[str, Any]:
     c = snapshot.counters
     return {
-        "submitted": c.submitted,
-        "completed": c.completed,
-        "cancelled": c.cancelled,
-        "failed": c.failed,
-        "refused": c.refused,
-        "admitted_mid_flight": c.admitted_mid_flight,
-        "preempted": c.preempted,
-        "stalls_no_capacity": c.stalls_no_capacity,
-        "stalls_token_budget": c.stalls_token_budget,
-        "stalls_batch_full": c.stalls_batch_full,
+        **{name: getattr(c, name) for name in _SCHEDULING_COUNTERS},
         "queue_latency_avg_us": int(c.queue_latency_avg_s * 1e6),
         "queue_latency_max_us": int(c.queue_latency_max_s * 1e6),
         "queued": snapshot.num_waiting,

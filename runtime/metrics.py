@@ -66,33 +66,22 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(executor))
         r = self.registry
-        self.ttft = Histogram(
-            "ifb:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "ifb:inter_token_latency_seconds",
-            "Mean time between tokens, per request.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "ifb:e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.queue = Histogram(
-            "ifb:request_queue_time_seconds", "Arrival to admission.", buckets=_LATENCY_BUCKETS, registry=r
-        )
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.ttft = histogram("ifb:time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("ifb:inter_token_latency_seconds", "Mean time between tokens, per request.")
+        self.e2e = histogram("ifb:e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = histogram("ifb:request_queue_time_seconds", "Arrival to admission.")
         self.finished = Counter("ifb:request_success", "Finished requests by reason.", ["finished_reason"], registry=r)
-        self.step_prediction_error = Histogram(
+        self.step_prediction_error = histogram(
             "ifb:step_time_prediction_error_ratio",
             "Measured step time / the cost model's prediction - 1 (steps with a prediction).",
-            buckets=_PREDICTION_ERROR_BUCKETS,
-            registry=r,
+            _PREDICTION_ERROR_BUCKETS,
         )
-        self.acceptance_length = Histogram(
-            "ifb:spec_decode_acceptance_length",
-            "Draft tokens accepted per verified draft.",
-            buckets=_ACCEPTANCE_BUCKETS,
-            registry=r,
+        self.acceptance_length = histogram(
+            "ifb:spec_decode_acceptance_length", "Draft tokens accepted per verified draft.", _ACCEPTANCE_BUCKETS
         )
         executor.finish_listeners.append(self.on_finish)
         executor.step_listeners.append(self.on_step)

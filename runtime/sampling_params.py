@@ -85,26 +85,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
-        _check(
-            len(self.logit_bias) <= MAX_LOGIT_BIAS,
-            "logit_bias",
-            f"at most {MAX_LOGIT_BIAS} entries",
-            len(self.logit_bias),
-        )
+        num_biases = len(self.logit_bias)
+        _check(num_biases <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries", num_biases)
         for token, bias in self.logit_bias.items():
             _check(_is_int(token) and token >= 0, "logit_bias", "keyed by token ids >= 0", token)
             _check(_is_number(bias) and -100 <= bias <= 100, "logit_bias", "values in [-100, 100]", bias)
-        seed = self.seed
-        _check(
-            seed is None or (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX), "seed", "a signed 64-bit integer", seed
-        )
+        s = self.seed
+        _check(s is None or (_is_int(s) and SEED_MIN <= s <= SEED_MAX), "seed", "a signed 64-bit integer", s)
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings", len(self.stop))
-        _check(
-            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
-            "stop",
-            f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
-            self.stop,
-        )
+        stop_ok = all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
+        _check(stop_ok, "stop", f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters", self.stop)
         ids = self.stop_token_ids
         _check(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids", len(ids))
         _check(all(_is_int(i) and i >= 0 for i in ids), "stop_token_ids", "token ids >= 0", ids)
@@ -112,19 +102,11 @@ class SamplingParams:
         if m is not None:
             _check(self.min_tokens <= m, "min_tokens", f"<= max_tokens ({m})", self.min_tokens)
         lp = self.logprobs
-        _check(
-            lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
-            "logprobs",
-            f"an integer in [0, {MAX_LOGPROBS}]",
-            lp,
-        )
+        lp_ok = lp is None or (_is_int(lp) and 0 <= lp <= MAX_LOGPROBS)
+        _check(lp_ok, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", lp)
         salt = self.cache_salt
-        _check(
-            salt is None or (isinstance(salt, str) and len(salt) <= MAX_CACHE_SALT_CHARS),
-            "cache_salt",
-            f"a string of at most {MAX_CACHE_SALT_CHARS} characters",
-            salt,
-        )
+        salt_ok = salt is None or (isinstance(salt, str) and len(salt) <= MAX_CACHE_SALT_CHARS)
+        _check(salt_ok, "cache_salt", f"a string of at most {MAX_CACHE_SALT_CHARS} characters", salt)
         skip = self.skip_special_tokens
         _check(isinstance(skip, bool), "skip_special_tokens", "true or false", skip)
         if self.reasoning_budget is not None:
@@ -134,9 +116,5 @@ class SamplingParams:
         """Token ids must exist in the model's vocabulary, and top_k cannot exceed it."""
         _check(self.top_k <= vocab_size, "top_k", f"<= the vocabulary size {vocab_size}", self.top_k)
         for token in list(self.logit_bias) + list(self.stop_token_ids):
-            _check(
-                token < vocab_size,
-                "logit_bias" if token in self.logit_bias else "stop_token_ids",
-                f"token ids < vocab size {vocab_size}",
-                token,
-            )
+            name = "logit_bias" if token in self.logit_bias else "stop_token_ids"
+            _check(token < vocab_size, name, f"token ids < vocab size {vocab_size}", token)
