@@ -45,10 +45,6 @@ def seat_intervals(run: ModeRun) -> list[tuple[int, str, float, float, list[tupl
     ]
 
 
-def busy_seat_steps(run: ModeRun) -> int:
-    return sum(step.num_requests for step in run.steps)
-
-
 def import_pyplot() -> Any:
     """matplotlib.pyplot drawing off-screen; matplotlib is only in the `bench` extra."""
     try:
@@ -59,6 +55,12 @@ def import_pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def write_plots(runs: Sequence[ModeRun], folder: Path) -> list[Path]:
@@ -73,14 +75,13 @@ def write_plots(runs: Sequence[ModeRun], folder: Path) -> list[Path]:
         for i, (seat, _, begin, end, prefills) in enumerate(seat_intervals(run)):
             ax.broken_barh([(begin - t0, end - begin)], (seat - 0.4, 0.8), color=colors(i % 20), alpha=0.8)
             ax.broken_barh([(a - t0, b - a) for a, b in prefills], (seat - 0.4, 0.8), color="black", alpha=0.6)
-        ax.set_title(f"{run.name}: {run.wall_s:.1f}s, {busy_seat_steps(run)} busy seat-steps", fontsize=9)
+        busy = sum(step.num_requests for step in run.steps)
+        ax.set_title(f"{run.name}: {run.wall_s:.1f}s, {busy} busy seat-steps", fontsize=9)
         ax.set_xlabel("seconds")
         ax.set_ylabel("batch seat")
         ax.set_ylim(-0.6, max(run.max_batch_size, 1) - 0.4)
     fig.suptitle("Seat timeline (black: prefill chunks)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=90)
-    plt.close(fig)
+    _save(plt, fig, paths[0])
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for run in runs:
@@ -97,9 +98,7 @@ def write_plots(runs: Sequence[ModeRun], folder: Path) -> list[Path]:
         ax.set_ylabel("fraction of requests" if "first" in title else "fraction of tokens")
         ax.set_xscale("log")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=90)
-    plt.close(fig)
+    _save(plt, fig, paths[1])
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for run in runs:
@@ -114,7 +113,5 @@ def write_plots(runs: Sequence[ModeRun], folder: Path) -> list[Path]:
     for ax in axes:
         ax.set_xlabel("seconds")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[2], dpi=90)
-    plt.close(fig)
+    _save(plt, fig, paths[2])
     return paths

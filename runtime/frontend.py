@@ -61,24 +61,31 @@ class Frontend:
         self.kv_window = SlidingWindowBlocks.for_model(
             engine.spec, limits.block_size, limits.max_seq_len, config.max_num_tokens
         )
+        # What a request must fit in (admission.py): the sequence limit and the KV pool's blocks.
+        self._kv_room = {
+            "max_seq_len": limits.max_seq_len,
+            "max_blocks": config.num_kv_blocks,
+            "block_size": limits.block_size,
+        }
 
     def token_text(self, token_id: int) -> str:
         """One token as text (logprobs show it): its own decoding, special tokens included."""
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def detokenize(self, token_ids: list[int]) -> str:
+        self._check_token_ids(token_ids, "tokens", "tokens")
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def _check_token_ids(self, token_ids: list[int], what: str, field: str) -> None:
         vocab = self.engine.spec.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-            raise AdmissionError(f"tokens must be integers in [0, {vocab})", field="tokens")
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+            raise AdmissionError(f"{what} must be integers in [0, {vocab})", field=field)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             require_unicode(prompt, "prompt")
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        vocab = self.engine.spec.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            raise AdmissionError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        self._check_token_ids(prompt, "prompt token ids", "prompt")
         return list(prompt)
 
     def apply_chat_template(
@@ -110,26 +117,13 @@ class Frontend:
         """Validate against the engine's limits and compile the constraint; raises
         AdmissionError naming the field. Blocking (a compile may take seconds): async callers
         run it on a worker thread."""
-        limits = self.engine.limits
         params.check_vocab(self.engine.spec.vocab_size)
-        check_prompt(
-            len(prompt_token_ids),
-            params.max_tokens,
-            limits.max_seq_len,
-            self.config.num_kv_blocks,
-            limits.block_size,
-            self.kv_window,
-        )
+        num_prompt_tokens = len(prompt_token_ids)
+        check_prompt(num_prompt_tokens, params.max_tokens, window=self.kv_window, **self._kv_room)
         max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = unset_max_tokens(
-                len(prompt_token_ids),
-                self.config.default_max_tokens,
-                limits.max_seq_len,
-                self.config.num_kv_blocks,
-                limits.block_size,
-                self.kv_window,
-            )
+            default = self.config.default_max_tokens
+            max_tokens = unset_max_tokens(num_prompt_tokens, default, window=self.kv_window, **self._kv_room)
         if params.reasoning_budget is not None:
             params = replace(params, reasoning_budget=params.reasoning_budget.with_tags(*self.think_tags))
         compiled, seconds = (None, 0.0)
@@ -138,7 +132,7 @@ class Frontend:
         request = Request(
             request_id=f"req-{self._id_prefix}-{next(self._ids)}",
             token_ids=list(prompt_token_ids),
-            num_prompt_tokens=len(prompt_token_ids),
+            num_prompt_tokens=num_prompt_tokens,
             params=params,
             max_tokens=max_tokens,
             times=RequestTimes(arrival=time.perf_counter()),
