@@ -110,8 +110,9 @@ class FixedBudget:
 
 
 class _CorrectedTarget:
-    """What the two target budgets share: the cost model, its online correction, and the
-    first-token deadlines that may grow a chunk past the inter-token target (None = off)."""
+    """What the two target budgets share: the cost model, its online correction, the first-token
+    deadlines that may grow a chunk past the inter-token target (None = off), and sizing a chunk
+    to the target each names for a step's decode rows (`_target_ms`)."""
 
     def __init__(
         self, cost_model: StepCostModel, min_chunk_tokens: int, deadlines: FirstTokenDeadlines | None = None
@@ -132,21 +133,30 @@ class _CorrectedTarget:
         if has_prefill:
             self.correction.observe(predicted_ms, measured_ms)
 
-    def _fitting_chunk(
-        self,
-        token_budget: int,
-        target_ms: float,
-        decode: StepShape,
-        prefill_start: int,
-        pending: Sequence[PendingPrompt],
+    def _target_ms(self, decode: StepShape) -> float | None:
+        """The uncorrected inter-token target of a step with these decode rows; None = no bound."""
+        raise NotImplementedError
+
+    def prefill_token_budget(
+        self, token_budget: int, decode: StepShape, prefill_start: int, pending: Sequence[PendingPrompt] = ()
     ) -> int:
-        """The largest chunk whose corrected prediction stays within `target_ms`, >= min_chunk,
+        """The largest chunk whose corrected prediction stays within the target, >= min_chunk,
         or the larger one the first-token deadlines of `pending` need (first_token.py)."""
+        target_ms = self._target_ms(decode)
+        if target_ms is None:
+            return token_budget
         ratio = self.correction.ratio
         fits = max(self.min_chunk_tokens, self.cost_model.max_prefill_tokens(target_ms / ratio, decode, prefill_start))
         if self.deadlines is not None and pending and fits < token_budget:
             fits = self.deadlines.chunk(self.cost_model, ratio, decode, prefill_start, pending, fits, target_ms)
         return min(token_budget, fits)
+
+    def step_target_ms(self, shape: StepShape) -> float | None:
+        decode = StepShape(
+            num_decode_rows=shape.num_decode_rows, num_decode_context_tokens=shape.num_decode_context_tokens
+        )
+        target_ms = self._target_ms(decode)
+        return None if target_ms is None else target_ms / self.correction.ratio
 
 
 class LatencyTargetBudget(_CorrectedTarget):
@@ -160,18 +170,13 @@ class LatencyTargetBudget(_CorrectedTarget):
         deadlines: FirstTokenDeadlines | None = None,
     ) -> None:
         super().__init__(cost_model, min_chunk_tokens, deadlines)
-        self._target_ms = itl_target_ms
+        self._itl_target_ms = itl_target_ms
 
     def report(self) -> StepBudgetReport:
-        return StepBudgetReport(self._target_ms, None, self.cost_model, self.correction.ratio, self.ttft_target_ms)
+        return StepBudgetReport(self._itl_target_ms, None, self.cost_model, self.correction.ratio, self.ttft_target_ms)
 
-    def prefill_token_budget(
-        self, token_budget: int, decode: StepShape, prefill_start: int, pending: Sequence[PendingPrompt] = ()
-    ) -> int:
-        return self._fitting_chunk(token_budget, self._target_ms, decode, prefill_start, pending)
-
-    def step_target_ms(self, shape: StepShape) -> float | None:
-        return self._target_ms / self.correction.ratio
+    def _target_ms(self, decode: StepShape) -> float | None:
+        return self._itl_target_ms
 
 
 class RelativeTargetBudget(_CorrectedTarget):
@@ -194,24 +199,13 @@ class RelativeTargetBudget(_CorrectedTarget):
     def report(self) -> StepBudgetReport:  # the target moves with the batch: a multiple, no ms
         return StepBudgetReport(None, self._multiple, self.cost_model, self.correction.ratio, self.ttft_target_ms)
 
-    def prefill_token_budget(
-        self, token_budget: int, decode: StepShape, prefill_start: int, pending: Sequence[PendingPrompt] = ()
-    ) -> int:
+    def _target_ms(self, decode: StepShape) -> float | None:
         if decode.num_decode_rows == 0:
-            return token_budget
+            return None
         # The multiple applies to the uncorrected decode time: the correction is learned on chunked
         # steps, and scaling the target by it too would cancel it out. Where decode-only steps run
         # over their prediction as well, this errs toward smaller chunks (lower gaps).
-        target = max(self._floor_ms, self._multiple * self.cost_model.predict_ms(decode))
-        return self._fitting_chunk(token_budget, target, decode, prefill_start, pending)
-
-    def step_target_ms(self, shape: StepShape) -> float | None:
-        decode = StepShape(
-            num_decode_rows=shape.num_decode_rows, num_decode_context_tokens=shape.num_decode_context_tokens
-        )
-        if decode.num_decode_rows == 0:
-            return None
-        return max(self._floor_ms, self._multiple * self.cost_model.predict_ms(decode)) / self.correction.ratio
+        return max(self._floor_ms, self._multiple * self.cost_model.predict_ms(decode))
 
 
 def step_shape(chosen: Iterable[tuple[Request, int]]) -> StepShape:

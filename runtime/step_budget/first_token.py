@@ -79,7 +79,8 @@ class FirstTokenDeadlines:
         target allows) if that rate suffices, else the smallest chunk up to the ceiling that does."""
 
         def rate(chunk: int) -> float:  # tokens per wall ms of a step with this chunk
-            shape = _with_chunk(decode, prefill_start, chunk)
+            pairs = StepShape.prefill_pairs(prefill_start, chunk)
+            shape = StepShape(chunk, decode.num_decode_rows, decode.num_decode_context_tokens, pairs)
             return chunk / (correction * cost_model.predict_ms(shape))
 
         ceiling_chunk = cost_model.max_prefill_tokens(
@@ -98,12 +99,6 @@ class FirstTokenDeadlines:
             else:
                 low = middle
         return high
-
-
-def _with_chunk(decode: StepShape, prefill_start: int, chunk: int) -> StepShape:
-    return StepShape(
-        chunk, decode.num_decode_rows, decode.num_decode_context_tokens, StepShape.prefill_pairs(prefill_start, chunk)
-    )
 
 
 def default_ttft_target_ms(cost_model: StepCostModel, max_batch_size: int, max_num_tokens: int) -> float:
