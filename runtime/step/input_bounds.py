@@ -12,18 +12,8 @@ rows: 0.15% of a 1B decode step.
 
 from __future__ import annotations
 
-import torch
-
 from ifb.runtime.engine_format import EngineLimits
 from ifb.runtime.step.step_inputs import StepInputs
-
-
-def _largest(tensor: torch.Tensor) -> int:
-    return int(tensor.max()) if tensor.numel() else -1
-
-
-def _smallest(tensor: torch.Tensor) -> int:
-    return int(tensor.min()) if tensor.numel() else 0
 
 
 def check_step_inputs(inputs: StepInputs, limits: EngineLimits, vocab_size: int) -> None:
@@ -47,6 +37,8 @@ def check_step_inputs(inputs: StepInputs, limits: EngineLimits, vocab_size: int)
         ("logits_indices", inputs.logits_indices, inputs.num_tokens, "the step's token count"),
     )
     for field, tensor, bound, limit in bounded:
-        low, high = _smallest(tensor), _largest(tensor)
+        if not tensor.numel():
+            continue
+        low, high = int(tensor.min()), int(tensor.max())
         if low < 0 or high >= bound:
             raise ValueError(f"step input {field} holds {low if low < 0 else high}, outside [0, {bound}): {limit}")

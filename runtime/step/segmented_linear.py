@@ -14,6 +14,7 @@ module stored in one format keeps its plain name.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import groupby
 
 import torch
 from torch import nn
@@ -35,26 +36,14 @@ def part_formats(weight_formats: Mapping[str, WeightFormat], module: str, num_pa
     return [weight_formats.get(key, WeightFormat.FP32) for key in keys]
 
 
-def segments(formats: list[WeightFormat], part_rows: tuple[int, ...]) -> list[tuple[WeightFormat, int]]:
-    """Adjacent parts of one format merged: [(format, rows)] in part order."""
-    merged: list[tuple[WeightFormat, int]] = []
-    for fmt, rows in zip(formats, part_rows, strict=True):
-        if merged and merged[-1][0] is fmt:
-            merged[-1] = (fmt, merged[-1][1] + rows)
-        else:
-            merged.append((fmt, rows))
-    return merged
-
-
 def segment_parts(formats: list[WeightFormat]) -> list[list[int]]:
-    """The part indices each segment holds (the same merge as `segments`)."""
-    groups: list[list[int]] = []
-    for index, fmt in enumerate(formats):
-        if groups and formats[groups[-1][-1]] is fmt:
-            groups[-1].append(index)
-        else:
-            groups.append([index])
-    return groups
+    """The part indices of each segment: each run of adjacent parts with one format, in order."""
+    return [list(group) for _, group in groupby(range(len(formats)), key=formats.__getitem__)]
+
+
+def segments(formats: list[WeightFormat], part_rows: tuple[int, ...]) -> list[tuple[WeightFormat, int]]:
+    """Each segment's format and rows: [(format, rows)] in part order."""
+    return [(formats[parts[0]], sum(part_rows[i] for i in parts)) for parts in segment_parts(formats)]
 
 
 class SegmentedLinear(nn.Module):
