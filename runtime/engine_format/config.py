@@ -108,9 +108,8 @@ class EngineConfig:
     tensorrt: TensorRTPlanInfo | None = None
     kernels: KernelLibraryInfo | None = None
     weight_formats: dict[str, WeightFormat] = field(default_factory=dict)  # module name -> block format
-    weight_compute: WeightCompute = (
-        WeightCompute.FP32
-    )  # how the block-format layers multiply: fp32 or int8 (`--compute`)
+    # how the block-format layers multiply: fp32 or int8 (`--compute`)
+    weight_compute: WeightCompute = WeightCompute.FP32
     # True: the step package holds no weights; they are bound at load from the mapped weights file,
     # so an engine stores them once (block engines; dense ones keep freezing's prepacked constants).
     step_constants_external: bool = False
@@ -205,37 +204,43 @@ class EngineConfig:
                 f"format_version {version} of {where} is not supported (this ifb reads version "
                 f"{ENGINE_FORMAT_VERSION}); rebuild the engine with `ifb build`"
             )
-        read = _Reader(record, where)
+
+        def required(key: str) -> Any:
+            if key not in record:
+                raise EngineFormatError(f"{where}: missing field {key!r}")
+            return record[key]
+
         try:
-            kernels = read.optional("kernels")
-            cost_model = read.optional("cost_model")
-            dtype = read.field("dtype")
+            kernels = record.get("kernels")
+            tensorrt = record.get("tensorrt")
+            cost_model = record.get("cost_model")
+            dtype = required("dtype")
             return cls(
-                model_name=read.field("model_name"),
-                spec=ModelSpec.from_json(read.field("model")),
-                limits=EngineLimits(**read.field("limits")),
+                model_name=required("model_name"),
+                spec=ModelSpec.from_json(required("model")),
+                limits=EngineLimits(**required("limits")),
                 dtype=dtype,
-                kv_dtype=_one_of("kv_dtype", read.optional("kv_dtype") or dtype, DTYPE_BYTES),
-                backend=BackendKind(read.field("backend")),
-                rope_scaling=float(read.field("rope_scaling")),
-                step_package=read.field("step_package"),
-                weights=read.field("weights"),
-                tokenizer_folder=read.field("tokenizer")["folder"],
-                has_chat_template=bool(read.field("tokenizer").get("has_chat_template")),
-                source=EngineSource(**read.field("source")),
-                build_id=read.field("build_id"),
-                builder_version=read.field("builder_version"),
-                build_options=BuildOptionsRecord(**read.field("build_options")),
-                build_info=read.optional("build") or {},
-                tensorrt=_maybe(TensorRTPlanInfo, read.optional("tensorrt")),
+                kv_dtype=_one_of("kv_dtype", record.get("kv_dtype") or dtype, DTYPE_BYTES),
+                backend=BackendKind(required("backend")),
+                rope_scaling=float(required("rope_scaling")),
+                step_package=required("step_package"),
+                weights=required("weights"),
+                tokenizer_folder=required("tokenizer")["folder"],
+                has_chat_template=bool(required("tokenizer").get("has_chat_template")),
+                source=EngineSource(**required("source")),
+                build_id=required("build_id"),
+                builder_version=required("builder_version"),
+                build_options=BuildOptionsRecord(**required("build_options")),
+                build_info=record.get("build") or {},
+                tensorrt=None if tensorrt is None else TensorRTPlanInfo(**tensorrt),
                 kernels=None if kernels is None else _kernel_info(kernels),
-                weight_formats=_weight_formats(read.optional("weight_formats") or {}),
+                weight_formats=_weight_formats(record.get("weight_formats") or {}),
                 weight_compute=WeightCompute(
-                    _one_of("weight_compute", read.optional("weight_compute") or "fp32", WEIGHT_COMPUTE_MODES)
+                    _one_of("weight_compute", record.get("weight_compute") or "fp32", WEIGHT_COMPUTE_MODES)
                 ),
-                step_constants_external=bool(read.optional("step_constants_external")),
+                step_constants_external=bool(record.get("step_constants_external")),
                 cost_model=None if cost_model is None else StepCostModel.from_json(cost_model),
-                artifacts=read.field("artifacts"),
+                artifacts=required("artifacts"),
                 folder=folder,
             )
         except (TypeError, ValueError, KeyError) as error:
@@ -275,19 +280,6 @@ def _read_record(path: Path) -> dict[str, Any]:
     return record
 
 
-class _Reader:
-    def __init__(self, record: dict[str, Any], where: Path) -> None:
-        self.record, self.where = record, where
-
-    def field(self, key: str) -> Any:
-        if key not in self.record:
-            raise EngineFormatError(f"{self.where}: missing field {key!r}")
-        return self.record[key]
-
-    def optional(self, key: str) -> Any:
-        return self.record.get(key)
-
-
 def _asdict(value: Any) -> dict[str, Any]:
     return {name: (list(v) if isinstance(v, tuple) else v) for name in value.__slots__ for v in [getattr(value, name)]}
 
@@ -308,7 +300,3 @@ def _one_of(name: str, value: str, allowed: Collection[str]) -> str:
     if value not in allowed:
         raise ValueError(f"{name} {value!r} not in {', '.join(allowed)}")
     return value
-
-
-def _maybe(kind: type, data: dict[str, Any] | None) -> Any:
-    return None if data is None else kind(**data)
