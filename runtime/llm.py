@@ -14,7 +14,6 @@ import asyncio
 import atexit
 import dataclasses
 import gc
-import queue
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
@@ -40,7 +39,7 @@ from ifb.runtime.step.engine import Engine
 from ifb.runtime.step_budget.budgets import FixedBudget, StepBudget, make_step_budget
 from ifb.runtime.step_budget.cost_model import StepCostModel
 from ifb.runtime.trace import TraceRecorder
-from ifb.runtime.windowed_kv_cache_manager import SlidingWindowBlocks, make_kv_cache_manager
+from ifb.runtime.windowed_kv_cache_manager import make_kv_cache_manager
 
 
 class LLM(FrontendClient):
@@ -63,37 +62,27 @@ class LLM(FrontendClient):
         atexit.register(_close_if_alive, weakref.ref(self))
 
     def _make_scheduler(self) -> Scheduler:
-        limits = self.engine_config.limits
+        limits, config = self.engine_config.limits, self.config
         # With a window on every layer, blocks that slid out of it are freed as requests advance.
-        window = SlidingWindowBlocks.for_model(
-            self.engine_config.spec, limits.block_size, limits.max_seq_len, self.config.max_num_tokens
-        )
         kv = make_kv_cache_manager(
-            self.config.num_kv_blocks, limits.block_size, self.config.enable_prefix_reuse, window
+            config.num_kv_blocks, limits.block_size, config.enable_prefix_reuse, self.frontend.kv_window
         )
         # With --calibrate the budget is made once the engine is measured (_load_engine); until
         # then no step runs, so the fixed budget never schedules one.
-        budget = FixedBudget() if self.config.calibrate else self._step_budget(self.engine_config.cost_model)
+        budget = FixedBudget() if config.calibrate else self._step_budget(self.engine_config.cost_model)
         return Scheduler(
-            SchedulerConfig(
-                self.config.max_batch_size, self.config.max_num_tokens, limits.max_seq_len, limits.max_batch_size
-            ),
+            SchedulerConfig(config.max_batch_size, config.max_num_tokens, limits.max_seq_len, limits.max_batch_size),
             kv,
-            make_capacity_policy(self.config.policy, kv),
-            make_chunking_policy(self.config.chunking),
+            make_capacity_policy(config.policy, kv),
+            make_chunking_policy(config.chunking),
             budget,
-            speculation=make_speculation(self.config.speculation),
+            speculation=make_speculation(config.speculation),
         )
 
     def _step_budget(self, cost_model: StepCostModel | None) -> StepBudget:
-        limits = self.engine_config.limits
+        c, block_size = self.config, self.engine_config.limits.block_size
         return make_step_budget(
-            self.config.itl_target_ms,
-            cost_model,
-            self.config.max_batch_size,
-            limits.block_size,
-            self.config.ttft_target_ms,
-            self.config.max_num_tokens,
+            c.itl_target_ms, cost_model, c.max_batch_size, block_size, c.ttft_target_ms, c.max_num_tokens
         )
 
     def _load_engine(self) -> Engine:
@@ -119,8 +108,11 @@ class LLM(FrontendClient):
 
     # -- requests -----------------------------------------------------------------------------
     def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
-        """Validate (AdmissionError naming the field) and compile any constraint."""
-        return self.frontend.prepare(prompt_token_ids, params)
+        """Validate (AdmissionError naming the field) and compile any constraint; refused
+        (EngineUnavailableError) when the step loop cannot take requests."""
+        prepared = self.frontend.prepare(prompt_token_ids, params)
+        self._check_alive()
+        return prepared
 
     def _check_alive(self) -> None:
         health = self.executor.health()
@@ -137,9 +129,7 @@ class LLM(FrontendClient):
         timeout: float | None = None,
     ) -> str:
         """Queue one request; `sink` gets every delta on the executor thread. Returns its id."""
-        prepared = self.prepare(prompt_token_ids, params)
-        self._check_alive()
-        return self.channel.submit(prepared, sink, block, timeout)
+        return self.channel.submit(self.prepare(prompt_token_ids, params), sink, block, timeout)
 
     def abort(self, request_id: str) -> None:
         self.channel.abort(request_id)
@@ -156,25 +146,16 @@ class LLM(FrontendClient):
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         prompt_list: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         param_list = _params_per_prompt(params, len(prompt_list))
-        token_lists = [self.tokenize(p) for p in prompt_list]
-        inboxes: list[queue.SimpleQueue[RequestOutput]] = []
-        for ids, p in zip(token_lists, param_list, strict=True):
-            inbox: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-            self.submit(ids, p, inbox.put, block, timeout)
-            inboxes.append(inbox)
-        results = []
-        for ids, p, inbox in zip(token_lists, param_list, inboxes, strict=True):
-            deltas = [inbox.get()]
-            while not deltas[-1].finished:
-                deltas.append(inbox.get())
-            results.append(CompletionOutput.collect(ids, deltas, p.logprobs is not None))
-        return results
+        jobs = [(self.tokenize(prompt), p) for prompt, p in zip(prompt_list, param_list, strict=True)]
+        streams = [self.channel.iterate(self.prepare(ids, p), block, timeout) for ids, p in jobs]  # all seated first
+        return [
+            CompletionOutput.collect(ids, list(stream), p.logprobs is not None)
+            for (ids, p), stream in zip(jobs, streams, strict=True)
+        ]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Deltas as they are produced; closing the iterator early aborts the request."""
-        prepared = self.prepare(self.tokenize(prompt), params or SamplingParams())
-        self._check_alive()
-        return self.channel.iterate(prepared)
+        return self.channel.iterate(self.prepare(self.tokenize(prompt), params or SamplingParams()))
 
     # -- async --------------------------------------------------------------------------------
     async def open_streams(
@@ -182,7 +163,7 @@ class LLM(FrontendClient):
     ) -> list[AsyncIterator[RequestOutput]]:
         """Prepare (off the loop) and seat several requests at once (all or none get a seat);
         one async iterator of deltas each. With block=False a full engine raises QueueFullError."""
-        prepared = await self.off_loop(lambda: [self.prepare(ids, params) for ids, params in jobs])
+        prepared = await self.off_loop(lambda: [self.frontend.prepare(ids, params) for ids, params in jobs])
         self._check_alive()
         return self.channel.open_streams(prepared, block, count_refusal)
 
