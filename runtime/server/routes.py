@@ -151,8 +151,7 @@ class Routes:
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            self.check_model(body.model)
+        self.check_model(body.model)
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages)
             ids = await self.engine.off_loop(
@@ -165,8 +164,7 @@ class Routes:
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.model_info.max_model_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            self.check_model(body.model)
+        self.check_model(body.model)
         return {"prompt": await self.engine.off_loop(self.engine.detokenize, body.tokens)}
 
     async def version(self) -> dict[str, str]:

@@ -15,10 +15,6 @@ from ifb.runtime.server.responses import Choice, ResponseShape, usage
 Stream = AsyncIterator[RequestOutput]
 
 
-class QueueTimeoutError(QueueFullError):
-    pass
-
-
 async def refuse_queue_timeouts(stream: Stream) -> Stream:
     """A request the engine refused for waiting past the queue timeout raises a 429 (before any
     byte is sent); one that was admitted in time streams on, however long its prefill takes."""
@@ -26,7 +22,7 @@ async def refuse_queue_timeouts(stream: Stream) -> Stream:
     if first is None:
         return
     if first.timed_out_in_queue:
-        raise QueueTimeoutError(first.error or "the request waited longer than the queue timeout")
+        raise QueueFullError(first.error or "the request waited longer than the queue timeout")
     yield first
     async for output in stream:
         yield output

@@ -64,13 +64,11 @@ class ToolPlan:
     def guided(self) -> GuidedDecoding | None:
         """The constraint that guarantees valid calls (required / named), else None."""
         if self.mode == "named":
-            return GuidedDecoding.json_schema(self._tool(self.named).function.parameters, field="tool_choice")
+            tool = next(t for t in self.tools if t.function.name == self.named)
+            return GuidedDecoding.json_schema(tool.function.parameters, field="tool_choice")
         if self.mode == "required":
             return GuidedDecoding.json_schema({"anyOf": [_call_schema(t) for t in self.tools]}, field="tool_choice")
         return None
-
-    def _tool(self, name: str | None) -> Tool:
-        return next(t for t in self.tools if t.function.name == name)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template expects them (None: the template sees no tools)."""
@@ -88,19 +86,16 @@ class ToolPlan:
         cut short (finish reason `length`) comes back as text, for the client to see, rather
         than as a broken call."""
         try:
-            return self._parse(text, parser)
+            if self.mode == "named":  # normalized; the grammar made it
+                return None, [_call(self.named or "", json.dumps(JSON_DECODER.decode(text)))]
+            if self.mode == "required":
+                call = JSON_DECODER.decode(text)
+                return None, [_call(call["name"], json.dumps(call["arguments"]))]
+            if self.mode == "auto":
+                content, calls = parser.parse(text, {t.function.name for t in self.tools})
+                return content, [_call(c.name, c.arguments) for c in calls]
         except (ValueError, KeyError, TypeError):
-            return text, []
-
-    def _parse(self, text: str, parser: ToolCallParser) -> tuple[str | None, list[dict[str, Any]]]:
-        if self.mode == "named":
-            return None, [_call(self.named or "", json.dumps(_loads(text)))]  # normalized; the grammar made it
-        if self.mode == "required":
-            call = _loads(text)
-            return None, [_call(call["name"], json.dumps(call["arguments"]))]
-        if self.mode == "auto":
-            content, calls = parser.parse(text, {t.function.name for t in self.tools})
-            return content, [_call(c.name, c.arguments) for c in calls]
+            pass
         return text, []
 
 
@@ -123,11 +118,6 @@ def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolPlan:
     if choice in ("required", "auto") and not tools:
         raise AdmissionError(f"tool_choice {choice!r} needs at least one tool in tools", field="tool_choice")
     return ToolPlan(choice, tuple(tools))
-
-
-def _loads(text: str) -> Any:
-    """JSON as the grammar engine produced it (raw control characters in strings allowed)."""
-    return JSON_DECODER.decode(text)
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
