@@ -136,14 +136,8 @@ class RuntimeSettings:
 
     def speculation(self) -> SpeculativeConfig:
         """The speculative settings as one config (vLLM's JSON, if given, over the flags)."""
-        base = SpeculativeConfig(
-            self.speculative,
-            self.num_speculative_tokens,
-            self.prompt_lookup_max,
-            self.prompt_lookup_min,
-            self.suffix_cache_tokens,
-            self.draft_engine,
-        )
+        same_named = {f.name: getattr(self, f.name) for f in fields(SpeculativeConfig) if f.name != "method"}
+        base = SpeculativeConfig(self.speculative, **same_named)
         return base if self.speculative_config is None else parse_speculative_config(self.speculative_config, base)
 
     def __post_init__(self) -> None:  # accept the enums' string values from CLIs and callers
