@@ -13,13 +13,7 @@ from tqdm import tqdm
 
 from ifb.cli.bench_metrics import PERCENTILES, Slo, summarize
 from ifb.cli.bench_runner import MODE_OPTIONS, ModeRun, run_against_url, run_in_process
-from ifb.cli.bench_workloads import (
-    BenchRequest,
-    LengthDistribution,
-    dataset_workload,
-    poisson_workload,
-    seeds_workload,
-)
+from ifb.cli.bench_workloads import BenchRequest, LengthDistribution, dataset_workload, poisson_workload, seeds_workload
 
 
 def make_workload(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -98,13 +99,7 @@ def run_in_process(
         wall = time.perf_counter() - start
         llm.executor.step_listeners.remove(steps.append)
         run = ModeRun(
-            mode,
-            timings,
-            wall,
-            steps,
-            finish_times,
-            dataclasses.asdict(llm.stats()),
-            llm.config.max_batch_size,
+            mode, timings, wall, steps, finish_times, dataclasses.asdict(llm.stats()), llm.config.max_batch_size
         )
         if recorder is not None and trace is not None:
             recorder.write(trace.with_name(f"{trace.stem}-{mode}{trace.suffix}"))
@@ -113,13 +108,9 @@ def run_in_process(
 
 def check_loopback(url: str) -> None:
     host = urlparse(url).hostname or ""
-    if host == "localhost":
-        return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
+    with contextlib.suppress(ValueError):  # not an IP address
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
             return
-    except ValueError:
-        pass
     raise ValueError(f"--url must point at this machine (loopback), got host {host!r}")
 
 

@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from ifb.builder.errors import BuildError
-from ifb.cli.logging_setup import configure_logging
 from ifb.cli.option_groups import GroupedCommand
 from ifb.cli.serving_options import (
     SERVING_OPTION_GROUPS,
-    build_options_for,
-    checked_engine_folder,
-    effective_log_level,
+    engine_folder,
     merge_groups,
     runtime_settings,
     server_settings,
     serving_options,
+    setup_logging,
 )
 from ifb.runtime.errors import IfbError
 from ifb.runtime.runtime_config import RuntimeSettings, ServerSettings
@@ -35,10 +31,7 @@ logger = logging.getLogger(__name__)
 
 RUN_OPTION_GROUPS = merge_groups(
     SERVING_OPTION_GROUPS,
-    {
-        "Model": ("threads",),
-        "One-shot prompt (instead of serving)": ("prompt", "max_tokens", "temperature"),
-    },
+    {"Model": ("threads",), "One-shot prompt (instead of serving)": ("prompt", "max_tokens", "temperature")},
 )
 
 
@@ -100,36 +93,29 @@ def run(ctx: click.Context, target: str | None, **params: Any) -> None:
 
     A SOURCE reuses a matching engine under engines/ or builds one first.
     """
-    log_level = effective_log_level(ctx, params["log_level"])
-    configure_logging(log_level, params["log_format"])
-    server = server_settings(params, os.environ)
+    log_level = setup_logging(ctx, params)
+    server = server_settings(params)
     set_compute_threads(params["threads"])
     settings = runtime_settings(params)
     with sigterm_exits():  # so a SIGTERM, like Ctrl-C, closes the LLM and its compile workers
-        _load_and_run(target, params, settings, server, log_level)
-
-
-def _load_and_run(
-    target: str | None, params: Mapping[str, Any], settings: RuntimeSettings, server: ServerSettings, log_level: str
-) -> None:
-    llm = _load_llm(target, params, settings)
-    try:
-        if params["prompt"] is not None:
-            _stream_prompt(llm, params["prompt"], params["max_tokens"], params["temperature"])
-            return
-        _serve(llm, server, log_level)
-    finally:
-        llm.close()
+        llm = _load_llm(target, params, settings)
+        try:
+            if params["prompt"] is not None:
+                _stream_prompt(llm, params["prompt"], params["max_tokens"], params["temperature"])
+            else:
+                _serve(llm, server, log_level)
+        finally:
+            llm.close()
 
 
 def _load_llm(target: str | None, params: Mapping[str, Any], settings: RuntimeSettings) -> LLM:
     """The LLM for TARGET, after checking an engine folder against --dtype / --max-model-len."""
     from ifb.llm import LLM
 
+    engine = engine_folder(target, params)
     try:
-        checked_engine_folder(target, params)
-        llm = LLM(target, settings=settings, build_options=build_options_for(params))
-    except (IfbError, BuildError) as error:
+        llm = LLM(engine, settings=settings)
+    except IfbError as error:
         raise click.ClickException(str(error)) from None
     limits = llm.engine_config.limits
     logger.info(

@@ -7,6 +7,7 @@ belong to the command line and are declared here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,11 @@ from typing import Any
 import click
 
 from ifb.builder.build import BuildOptions
+from ifb.builder.errors import BuildError
 from ifb.cli.field_options import field_option, field_options, from_params, stack
-from ifb.cli.logging_setup import LOG_FORMATS, LOG_LEVELS
+from ifb.cli.logging_setup import LOG_FORMATS, LOG_LEVELS, configure_logging
 from ifb.runtime.engine_format import DTYPE_ALIASES, ENGINE_JSON, EngineConfig
+from ifb.runtime.errors import IfbError
 from ifb.runtime.runtime_config import RuntimeSettings, ServerSettings
 
 API_KEY_ENV = "IFB_API_KEY"
@@ -126,21 +129,17 @@ def resolve_api_key(api_key: str | None, api_key_file: Path | None, environ: Map
     return key
 
 
-def read_chat_template(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise click.ClickException(f"cannot read --chat-template {path}: {error}") from None
-
-
 def runtime_settings(params: Mapping[str, Any]) -> RuntimeSettings:
     """RuntimeSettings from the command's flags, --chat-template's file read."""
-    return from_params(RuntimeSettings, params, chat_template=read_chat_template(params["chat_template"]))
+    path = params["chat_template"]
+    try:
+        chat_template = None if path is None else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise click.ClickException(f"cannot read --chat-template {path}: {error}") from None
+    return from_params(RuntimeSettings, params, chat_template=chat_template)
 
 
-def server_settings(params: Mapping[str, Any], environ: Mapping[str, str]) -> ServerSettings:
+def server_settings(params: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> ServerSettings:
     """ServerSettings from the command's flags, the API key from whichever of its sources is given."""
     api_key = resolve_api_key(params["api_key"], params["api_key_file"], environ)
     return from_params(ServerSettings, params, api_key=api_key)
@@ -187,8 +186,25 @@ def checked_engine_folder(target: str | None, params: Mapping[str, Any]) -> Path
     return folder
 
 
-def effective_log_level(ctx: click.Context, log_level: str) -> str:
-    """`ifb -v run` (or serve) still means debug unless --log-level is given explicitly."""
+def engine_folder(target: str | None, params: Mapping[str, Any]) -> Path:
+    """An engine folder as given (checked against --dtype / --max-model-len), else the one ifb
+    built (or builds now, with the flags' build options) for the SOURCE."""
+    folder = checked_engine_folder(target, params)
+    if folder is not None:
+        return folder
+    from ifb.find_or_build import DEFAULT_ENGINES_DIR, find_or_build_engine
+
+    try:
+        return Path(find_or_build_engine(target, build_options_for(params), DEFAULT_ENGINES_DIR))
+    except (IfbError, BuildError) as error:
+        raise click.ClickException(str(error)) from None
+
+
+def setup_logging(ctx: click.Context, params: Mapping[str, Any]) -> str:
+    """Logging as --log-level and --log-format say; returns the level, which `ifb -v run` (or
+    serve) still makes debug unless --log-level is given explicitly."""
     verbose = ctx.parent is not None and ctx.parent.params.get("verbose", False)
     explicit = ctx.get_parameter_source("log_level") is not click.core.ParameterSource.DEFAULT
-    return log_level.lower() if explicit or not verbose else "debug"
+    log_level = params["log_level"].lower() if explicit or not verbose else "debug"
+    configure_logging(log_level, params["log_format"])
+    return log_level
