@@ -25,18 +25,13 @@ from ifb.ray_serve.report import ReplicaView
 from ifb.runtime.drain_rate import MIN_RETRY_S
 from ifb.runtime.engine_client import HealthReport, Job
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth
-from ifb.runtime.errors import AdmissionError, EngineUnavailableError, IfbError, QueueFullError
+from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
 from ifb.runtime.frontend_client import FrontendClient
 from ifb.runtime.outputs import RequestOutput, until_final
 from ifb.runtime.request import FinishReason
 from ifb.runtime.runtime_config import RuntimeSettings
 
 logger = logging.getLogger(__name__)
-
-_REFUSALS: dict[str, type[IfbError]] = {
-    "QueueFullError": QueueFullError,
-    "EngineUnavailableError": EngineUnavailableError,
-}
 
 
 class ReplicaSetLLM(FrontendClient):
@@ -61,7 +56,9 @@ class ReplicaSetLLM(FrontendClient):
             try:
                 first = await response.__anext__()
             except Exception as error:
-                if not _is_replica_failure(error):
+                from ray.exceptions import RayError
+
+                if not isinstance(error, RayError):
                     raise
                 failure = _short(error)  # Serve drops a dead replica from the router: try again
                 logger.warning("a replica failed before seating a request: %s", failure)
@@ -72,8 +69,10 @@ class ReplicaSetLLM(FrontendClient):
             if isinstance(first, Opened):
                 return _Call(response, len(jobs), first.replica, self._calls).streams()
             assert isinstance(first, Refused)
-            if first.kind != "QueueFullError":
-                raise _refusal_error(first)
+            if first.kind == "EngineUnavailableError":
+                raise EngineUnavailableError(first.message)
+            if first.kind != "QueueFullError":  # an AdmissionError (or a kind of it): a 400 naming its field
+                raise AdmissionError(first.message, field=first.field)
             avoid.append(first.replica)
         if failure is not None and not avoid:
             raise EngineUnavailableError(f"no replica could take the request: {failure}")
@@ -95,8 +94,7 @@ class ReplicaSetLLM(FrontendClient):
         """Running and waiting summed over replicas."""
         reports = [v.report for v in self.replica_views().values() if v.report is not None]
         return EngineSnapshot(
-            num_running=sum(r.num_running for r in reports),
-            num_waiting=sum(r.num_waiting for r in reports),
+            num_running=sum(r.num_running for r in reports), num_waiting=sum(r.num_waiting for r in reports)
         )
 
     def health(self) -> ExecutorHealth:
@@ -118,21 +116,9 @@ class ReplicaSetLLM(FrontendClient):
         return MIN_RETRY_S
 
 
-def _is_replica_failure(error: Exception) -> bool:
-    from ray.exceptions import RayError
-
-    return isinstance(error, RayError)
-
-
 def _short(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
-def _refusal_error(refused: Refused) -> IfbError:
-    if refused.kind in _REFUSALS:
-        return _REFUSALS[refused.kind](refused.message)
-    return AdmissionError(refused.message, field=refused.field)
 
 
 class _Call:

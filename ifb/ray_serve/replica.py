@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,7 @@ class IfbReplica:
             health=health.body,
             metrics=llm.metrics_text().decode(),
         )
-        return report.to_stats()
+        return asdict(report)
 
     def __del__(self) -> None:
         llm = getattr(self, "llm", None)

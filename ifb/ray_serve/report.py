@@ -4,7 +4,7 @@ the only place its keys are spelled."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -19,9 +19,6 @@ class ReplicaReport:
     capacity: int  # max_batch_size + max_queued_requests: its engine's admission limit
     health: dict[str, Any]  # its own /health body, as `ifb run` gives it
     metrics: str  # its Prometheus text
-
-    def to_stats(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_stats(cls, stats: dict[str, Any] | None) -> ReplicaReport | None:
