@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +15,40 @@ from tqdm import tqdm
 from ifb.cli.bench_metrics import PERCENTILES, Slo, summarize
 from ifb.cli.bench_runner import MODE_OPTIONS, ModeRun, run_against_url, run_in_process
 from ifb.cli.bench_workloads import BenchRequest, LengthDistribution, dataset_workload, poisson_workload, seeds_workload
+from ifb.cli.field_options import field_options, from_params
+from ifb.runtime.runtime_config import option
 
 
-def make_workload(
-    scenario: str, dataset: Path | None, rate: float, num_requests: int, prompt_len: str, output_len: str, seed: int
-) -> list[BenchRequest]:
-    if dataset is not None:
-        return dataset_workload(dataset, rate=rate if scenario == "poisson" else None, seed=seed)
-    if scenario == "seeds":
-        return seeds_workload(seed)
-    return poisson_workload(
-        rate, num_requests, LengthDistribution.parse(prompt_len), LengthDistribution.parse(output_len), seed
-    )
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """`ifb bench`'s options, each field one flag (cli/field_options.py)."""
+
+    url: str | None = option(None, "Benchmark a running OpenAI-compatible server on loopback instead.")
+    scenario: str = option("seeds", choices=("seeds", "poisson"))
+    rate: float = option(2.0, "Poisson arrivals per second.")
+    num_requests: int = option(32)
+    prompt_len: str = option("lognormal:150,0.6", "fixed:N | uniform:A-B | lognormal:MEDIAN,SIGMA (words)")
+    output_len: str = option("lognormal:60,0.8")
+    dataset: Path | None = option(None, "JSONL with prompt, max_tokens.", exists=True)
+    seed: int = option(0)
+    compare: str = option("guaranteed_no_evict", f"Comma list of {','.join(MODE_OPTIONS)}.")
+    max_batch_size: int | None = option(None)
+    max_num_tokens: int | None = option(None)
+    slo: str | None = option(None, "Goodput SLO, e.g. ttft=1.5,itl=0.1 (seconds).")
+    time_limit: float = option(600.0, "Seconds per mode; the rest is aborted.")
+    output: Path | None = option(None, "Write a JSON record.")
+    plot: Path | None = option(None, "Folder for PNG plots.")
+    trace: Path | None = option(None, "Chrome trace JSON (one file per mode).")
+
+    def workload(self) -> list[BenchRequest]:
+        if self.dataset is not None:
+            return dataset_workload(
+                self.dataset, rate=self.rate if self.scenario == "poisson" else None, seed=self.seed
+            )
+        if self.scenario == "seeds":
+            return seeds_workload(self.seed)
+        prompt_len, output_len = LengthDistribution.parse(self.prompt_len), LengthDistribution.parse(self.output_len)
+        return poisson_workload(self.rate, self.num_requests, prompt_len, output_len, self.seed)
 
 
 def _git_revision() -> str | None:
@@ -84,63 +107,20 @@ def _row(run: ModeRun, slo: Slo) -> dict[str, Any]:
 
 @click.command()
 @click.argument("target", required=False)
-@click.option("--url", default=None, help="Benchmark a running OpenAI-compatible server on loopback instead.")
-@click.option("--scenario", type=click.Choice(["seeds", "poisson"]), default="seeds", show_default=True)
-@click.option("--rate", type=float, default=2.0, show_default=True, help="Poisson arrivals per second.")
-@click.option("--num-requests", type=int, default=32, show_default=True)
-@click.option(
-    "--prompt-len",
-    default="lognormal:150,0.6",
-    show_default=True,
-    help="fixed:N | uniform:A-B | lognormal:MEDIAN,SIGMA (words)",
-)
-@click.option("--output-len", default="lognormal:60,0.8", show_default=True)
-@click.option(
-    "--dataset", type=click.Path(path_type=Path, exists=True), default=None, help="JSONL with prompt, max_tokens."
-)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--compare", default="guaranteed_no_evict", show_default=True, help=f"Comma list of {','.join(MODE_OPTIONS)}."
-)
-@click.option("--max-batch-size", type=int, default=None)
-@click.option("--max-num-tokens", type=int, default=None)
-@click.option("--slo", default=None, help="Goodput SLO, e.g. ttft=1.5,itl=0.1 (seconds).")
-@click.option(
-    "--time-limit", type=float, default=600.0, show_default=True, help="Seconds per mode; the rest is aborted."
-)
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Write a JSON record.")
-@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Folder for PNG plots.")
-@click.option("--trace", type=click.Path(path_type=Path), default=None, help="Chrome trace JSON (one file per mode).")
-def bench(
-    target: str | None,
-    url: str | None,
-    scenario: str,
-    rate: float,
-    num_requests: int,
-    prompt_len: str,
-    output_len: str,
-    dataset: Path | None,
-    seed: int,
-    compare: str,
-    max_batch_size: int | None,
-    max_num_tokens: int | None,
-    slo: str | None,
-    time_limit: float,
-    output: Path | None,
-    plot: Path | None,
-    trace: Path | None,
-) -> None:
+@field_options(BenchOptions)
+def bench(target: str | None, **params: Any) -> None:
     """Measure TARGET (engine folder or SOURCE, in-process) or --url under a workload."""
+    options = from_params(BenchOptions, params)
     try:
-        workload = make_workload(scenario, dataset, rate, num_requests, prompt_len, output_len, seed)
-        goal = Slo.parse(slo)
-        modes = [m.strip() for m in compare.split(",") if m.strip()]
+        workload = options.workload()
+        goal = Slo.parse(options.slo)
+        modes = [m.strip() for m in options.compare.split(",") if m.strip()]
         unknown = [m for m in modes if m not in MODE_OPTIONS]
         if unknown:
             raise ValueError(f"--compare: unknown modes {unknown}; choose from {list(MODE_OPTIONS)}")
     except ValueError as error:
         raise click.ClickException(str(error)) from None
-    if plot is not None and not url:
+    if options.plot is not None and not options.url:
         from ifb.cli.bench_plots import import_pyplot
 
         import_pyplot()  # without matplotlib, fail now rather than after the whole benchmark
@@ -149,19 +129,19 @@ def bench(
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "git_revision": _git_revision(),
         "workload": {
-            "scenario": scenario,
-            "dataset": str(dataset) if dataset else None,
-            "rate": rate,
+            "scenario": options.scenario,
+            "dataset": str(options.dataset) if options.dataset else None,
+            "rate": options.rate,
             "num_requests": len(workload),
-            "seed": seed,
+            "seed": options.seed,
         },
     }
     with tqdm(
-        total=len(workload) * (1 if url else len(modes)), desc="requests", file=click.get_text_stream("stderr")
+        total=len(workload) * (1 if options.url else len(modes)), desc="requests", file=click.get_text_stream("stderr")
     ) as bar:
-        if url:
+        if options.url:
             try:
-                runs.append(run_against_url(url, workload, time_limit, bar.update))
+                runs.append(run_against_url(options.url, workload, options.time_limit, bar.update))
             except ValueError as error:
                 raise click.ClickException(str(error)) from None
         else:
@@ -177,21 +157,21 @@ def bench(
                 "dtype": config.dtype,
                 "kv_dtype": config.kv_dtype,
             }
-            options = {
-                k: v for k, v in {"max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens}.items() if v
-            }
-            record["runtime"] = options
+            limits = {"max_batch_size": options.max_batch_size, "max_num_tokens": options.max_num_tokens}
+            record["runtime"] = runtime = {k: v for k, v in limits.items() if v}
             for mode in modes:
-                runs.append(run_in_process(Path(engine), mode, workload, options, time_limit, bar.update, trace))
+                runs.append(
+                    run_in_process(Path(engine), mode, workload, runtime, options.time_limit, bar.update, options.trace)
+                )
     rows = {run.name: _row(run, goal) for run in runs}
     click.echo(_table(rows))
     record["results"] = rows
-    if plot is not None and not url:
+    if options.plot is not None and not options.url:
         from ifb.cli.bench_plots import write_plots
 
-        for path in write_plots(runs, plot):
+        for path in write_plots(runs, options.plot):
             click.echo(f"wrote {path}")
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(record, indent=2, default=str))
-        click.echo(f"wrote {output}")
+    if options.output is not None:
+        options.output.parent.mkdir(parents=True, exist_ok=True)
+        options.output.write_text(json.dumps(record, indent=2, default=str))
+        click.echo(f"wrote {options.output}")

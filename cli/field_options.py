@@ -7,6 +7,7 @@ import dataclasses
 import types
 from collections.abc import Callable, Collection, Mapping
 from enum import Enum
+from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import click
@@ -32,6 +33,8 @@ def _value_type(hint: Any, metadata: Mapping[str, Any]) -> Any:
         return click.Choice(metadata["choices"], case_sensitive=metadata.get("case_sensitive", True))
     if isinstance(hint, type) and issubclass(hint, Enum):
         return click.Choice([member.value for member in hint])
+    if hint is Path:
+        return click.Path(path_type=Path, exists=metadata.get("exists", False))
     if hint is int and minimum is not None:
         return click.IntRange(min=minimum)
     if hint is float and minimum is not None:

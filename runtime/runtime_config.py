@@ -25,11 +25,11 @@ from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step_budget.budgets import DEFAULT_TARGET_DECODE_MULTIPLE, DEFAULT_TARGET_FLOOR_MS
 
 
-def option(default: Any, help: str, **cli: Any) -> Any:
-    """A settings field carrying what every front end (ifb build/run/serve, LLM(...)) reads off it:
-    `help`, and in `cli` the hints cli/field_options.py turns into a click option -- `minimum`
+def option(default: Any, help: str | None = None, **cli: Any) -> Any:
+    """A settings field carrying what every front end (ifb build/run/serve/bench, LLM(...)) reads off
+    it: `help`, and in `cli` the hints cli/field_options.py turns into a click option -- `minimum`
     (also checked here), `flag` (instead of --field-name), `aliases`, `choices`, `case_sensitive`,
-    and `cli=False` for a field no flag sets."""
+    `exists` (a Path that must exist), and `cli=False` for a field no flag sets."""
     return field(default=default, metadata={"help": help, **cli})
 
 
