@@ -99,16 +99,15 @@ class _Common(BaseModel):
     def guided(self) -> GuidedDecoding | None:
         """At most one constraint; AdmissionError names the field otherwise."""
         given = [] if self.structured_outputs is None else self.structured_outputs.constraints()
-        if self.response_format is not None and self.response_format.type != "text":
-            rf = self.response_format
-            if rf.type == "json_object":
-                given.append(GuidedDecoding.json_object())
-            else:
-                if rf.json_schema is None or "schema" not in rf.json_schema:
-                    raise AdmissionError(
-                        "response_format.json_schema.schema is required for type json_schema", field="response_format"
-                    )
-                given.append(GuidedDecoding.json_schema(rf.json_schema["schema"], field="response_format"))
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(GuidedDecoding.json_object())
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or "schema" not in rf.json_schema:
+                raise AdmissionError(
+                    "response_format.json_schema.schema is required for type json_schema", field="response_format"
+                )
+            given.append(GuidedDecoding.json_schema(rf.json_schema["schema"], field="response_format"))
         if self.guided_json is not None:
             given.append(GuidedDecoding.json_schema(self.guided_json))
         if self.guided_regex is not None:

@@ -93,11 +93,10 @@ class HermesToolParser:
         position = 0
         for match in _HERMES_BLOCK.finditer(text):
             call = _known_call(_loads(match.group(1)), names, "arguments")
-            if call is None:
-                continue
-            kept.append(text[position : match.start()])
-            position = match.end()
-            calls.append(call)
+            if call is not None:
+                kept.append(text[position : match.start()])
+                position = match.end()
+                calls.append(call)
         kept.append(text[position:])
         return _reply(text, "".join(kept), calls)
 
@@ -191,14 +190,12 @@ def tool_call_parser_for_template(chat_template: str | None) -> ToolCallParserKi
 
 def make_tool_call_parser(kind: ToolCallParserKind) -> ToolCallParser:
     """The parser `--tool-call-parser` names (or `tool_call_parser_for_template` chose)."""
-    kind = ToolCallParserKind(kind)
-    if kind is ToolCallParserKind.HERMES:
-        return HermesToolParser()
-    if kind is ToolCallParserKind.LLAMA3_JSON:
-        return Llama3JsonToolParser()
-    if kind is ToolCallParserKind.MISTRAL:
-        return MistralToolParser()
-    raise AssertionError(kind)
+    parsers: dict[ToolCallParserKind, type[HermesToolParser | Llama3JsonToolParser | MistralToolParser]] = {
+        ToolCallParserKind.HERMES: HermesToolParser,
+        ToolCallParserKind.LLAMA3_JSON: Llama3JsonToolParser,
+        ToolCallParserKind.MISTRAL: MistralToolParser,
+    }
+    return parsers[ToolCallParserKind(kind)]()
 
 
 @dataclass(slots=True)
@@ -247,17 +244,13 @@ def _known_call(value: Any, names: Collection[str], *argument_keys: str) -> Pars
     arguments: Any = next((value[k] for k in argument_keys if k in value), {})
     if not isinstance(arguments, str):
         return ParsedCall(value["name"], json.dumps(arguments))  # ASCII: escapes any lone surrogate
-    # A string the model escaped as "\ud800" decodes to a lone surrogate, which no UTF-8 reply can
-    # carry: such a reply stays text rather than failing the response.
-    return ParsedCall(value["name"], arguments) if _is_utf8(arguments) else None
-
-
-def _is_utf8(text: str) -> bool:
     try:
-        text.encode("utf-8")
+        arguments.encode("utf-8")
     except UnicodeEncodeError:
-        return False
-    return True
+        # A string the model escaped as "\ud800" decodes to a lone surrogate, which no UTF-8 reply
+        # can carry: such a reply stays text rather than failing the response.
+        return None
+    return ParsedCall(value["name"], arguments)
 
 
 def _loads(text: str) -> Any:
