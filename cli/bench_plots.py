@@ -85,11 +85,8 @@ def write_plots(runs: Sequence[ModeRun], folder: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for run in runs:
-        for ax, values in zip(
-            axes,
-            ([t.ttft for t in run.timings if t.ttft is not None], [x for t in run.timings for x in t.itls]),
-            strict=True,
-        ):
+        ttfts = [t.ttft for t in run.timings if t.ttft is not None]
+        for ax, values in zip(axes, (ttfts, [x for t in run.timings for x in t.itls]), strict=True):
             ordered = sorted(values)
             if ordered:
                 ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=run.name)

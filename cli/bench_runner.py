@@ -19,6 +19,7 @@ from ifb.cli.bench_metrics import RequestTiming
 from ifb.cli.bench_workloads import BenchRequest
 from ifb.runtime.executor import StepRecord
 from ifb.runtime.outputs import RequestOutput
+from ifb.runtime.trace import TraceRecorder
 
 MODE_OPTIONS: dict[str, dict[str, Any]] = {
     "sequential": {"max_batch_size": 1},
@@ -57,11 +58,7 @@ def run_in_process(
 
     settings = {**options, **MODE_OPTIONS[mode]}  # sequential's max_batch_size=1 wins over --max-batch-size
     with LLM(engine, max_queued_requests=len(workload) + 1, **settings) as llm:
-        recorder = None
-        if trace is not None:
-            from ifb.runtime.trace import TraceRecorder
-
-            recorder = TraceRecorder.attach(llm.executor)
+        recorder = TraceRecorder.attach(llm.executor) if trace is not None else None
         steps: list[StepRecord] = []
         llm.executor.step_listeners.append(steps.append)
         finish_times: dict[str, float] = {}

@@ -94,7 +94,6 @@ class RequestChannel:
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
         with self._mailboxes_lock:
-            mailbox = self._mailboxes.get(loop)
-            if mailbox is None:
-                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
-            return mailbox
+            if loop not in self._mailboxes:
+                self._mailboxes[loop] = LoopMailbox(loop)
+            return self._mailboxes[loop]

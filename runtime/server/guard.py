@@ -28,11 +28,9 @@ class GuardMiddleware:
             return
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] != LIVENESS_PATH:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await error_response(401, "missing or invalid API key (Authorization: Bearer KEY)")(
-                    scope, receive, send
-                )
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                refusal = error_response(401, "missing or invalid API key (Authorization: Bearer KEY)")
+                await refusal(scope, receive, send)
                 return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(receive)
