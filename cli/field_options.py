@@ -16,10 +16,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
-def _field(cls: type, name: str) -> dataclasses.Field[Any]:
-    return next(f for f in dataclasses.fields(cls) if f.name == name)
-
-
 def _without_none(hint: Any) -> Any:
     """`X | None` -> X (None is the field's default, not a value to parse)."""
     if get_origin(hint) in (Union, types.UnionType):
@@ -45,7 +41,7 @@ def _value_type(hint: Any, metadata: Mapping[str, Any]) -> Any:
 def field_option(cls: type, name: str, **overrides: Any) -> Callable[[F], F]:
     """The click option for field `name` of dataclass `cls`, its parameter named as the field;
     `overrides` are click.option keywords a command needs on top (e.g. its own help)."""
-    spec = _field(cls, name)
+    spec = next(f for f in dataclasses.fields(cls) if f.name == name)
     metadata = spec.metadata
     hint = _without_none(get_type_hints(cls)[name])
     default = spec.default.value if isinstance(spec.default, Enum) else spec.default
