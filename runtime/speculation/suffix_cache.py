@@ -13,13 +13,9 @@ dropped first; a request longer than the bound keeps only its last `max_tokens`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 from ifb.runtime.request import Request
 from ifb.runtime.speculation.prompt_lookup import Match, PromptLookupProposer, longest_match, pack
-
-if TYPE_CHECKING:  # the scheduling side loads without torch (tests/unit/test_layering.py)
-    from ifb.runtime.engine_format import EngineConfig
 
 _WIDTH = 4
 _SEPARATOR = pack([-1])
@@ -51,11 +47,11 @@ class _Tenant:
         return self._joined
 
 
-class SuffixCacheProposer:
+class SuffixCacheProposer(PromptLookupProposer):
+    """Prompt lookup in the request's own tokens, then in recent requests' (vLLM's `suffix` method)."""
+
     def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
-        self.own = PromptLookupProposer(min_n, max_n)
-        self.min_n = min_n
-        self.max_n = max_n
+        super().__init__(min_n, max_n)
         self.max_tokens = max_tokens
         self._tenants: dict[str | None, _Tenant] = {}
         self._order: OrderedDict[tuple[str | None, str], None] = OrderedDict()  # every entry, oldest first
@@ -65,16 +61,10 @@ class SuffixCacheProposer:
     def num_cached_tokens(self) -> int:
         return self._num_tokens
 
-    def prepare(self, target: EngineConfig) -> None:
-        return None  # nothing to load
-
-    def draft_ms(self, request: Request, num_draft: int) -> float:
-        return 0.0  # a lookup costs microseconds
-
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """The longer of the request's own match and the cache's (own wins a tie: it is the
         request's own context)."""
-        best = self.own.match(request, max_tokens)
+        best = self.match(request, max_tokens)
         shared = self._match_cached(request, best.match_length + 1 if best else self.min_n, max_tokens)
         if shared is not None:
             best = shared

@@ -18,7 +18,7 @@ speculation, whatever the proposer guessed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -53,19 +53,15 @@ class GeneratorRewind:
             torch.empty(self.vocab_size, dtype=torch.float32).exponential_(generator=self.generator)
 
 
+@dataclass(slots=True)
 class VerifiedRow:
     """One sampling request's tokens from this step (one, or a verified draft's), with their
     logprob entries; the executor cuts them at a stop with `keep`."""
 
-    __slots__ = ("live", "draft", "tokens", "logprobs")
-
-    def __init__(
-        self, live: LiveRequest, draft: tuple[int, ...], tokens: list[int], logprobs: list[TokenLogprob | None]
-    ):
-        self.live = live
-        self.draft = draft
-        self.tokens = tokens
-        self.logprobs = logprobs
+    live: LiveRequest
+    draft: tuple[int, ...]
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
 
     @property
     def request_id(self) -> str:
@@ -114,21 +110,16 @@ def cut_drafts_by_grammar(batch: ScheduledBatch, live: Mapping[str, LiveRequest]
     """A guided request's draft, cut before the first token its grammar rejects (or the token
     that would complete it: the row after that would have no grammar state to mask with)."""
     items = []
-    changed = False
     for item in batch.requests:
         matcher = live[item.request_id].sampling.grammar_matcher if item.draft_token_ids else None
-        if matcher is None or matcher.is_terminated():
-            items.append(item)
-            continue
-        allowed = _grammar_allows(matcher, item.draft_token_ids)
-        if allowed < len(item.draft_token_ids):
+        if matcher is not None and not matcher.is_terminated():
+            allowed = _grammar_allows(matcher, item.draft_token_ids)
             cut = len(item.draft_token_ids) - allowed
             item = replace(
                 item, num_new_tokens=item.num_new_tokens - cut, draft_token_ids=item.draft_token_ids[:allowed]
             )
-            changed = True
         items.append(item)
-    return replace(batch, requests=tuple(items)) if changed else batch
+    return replace(batch, requests=tuple(items))
 
 
 def _grammar_allows(matcher: Any, draft: Sequence[int]) -> int:
