@@ -46,8 +46,6 @@ from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
-StepListener = Callable[["StepRecord"], None]
-StepStartedListener = Callable[[ScheduledBatch], None]
 _SUMMARY_INTERVAL_S = 5.0
 STUCK_STEP_S = 30.0  # a step running longer than this means the loop is stuck
 
@@ -117,11 +115,11 @@ class Executor:
         self._guided = GuidedUsage()
         self.snapshot = EngineSnapshot()
         self.queue_timeout_s = queue_timeout_s  # waiting longer than this before admission: refused
-        self.step_listeners: list[StepListener] = []
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
         # Called on this thread with each scheduled batch just before its engine step, before the
         # stuck-step watchdog's clock starts (tests observe or hold steps here). An abort arriving
         # from here on is applied in phase 6, before the update. A raise fails the step's requests.
-        self.step_started_listeners: list[StepStartedListener] = []
+        self.step_started_listeners: list[Callable[[ScheduledBatch], None]] = []
         self.finish_listeners: list[Callable[[Request], None]] = []
         self._last_summary = time.monotonic()
         self._tokens_since_summary = 0
@@ -244,7 +242,7 @@ class Executor:
             for position in range(item.num_sample_rows)
         ]
         try:
-            logits, bitmask = self._run_engine(batch, requests, rows)
+            logits, bitmask = self._run_engine(batch, rows)
         except Exception as error:
             logger.exception("engine step failed; failing its %d requests", len(requests))
             for request in requests:
@@ -276,29 +274,15 @@ class Executor:
         self.scheduler.observe_step(batch, (time.perf_counter() - start) * 1e3)  # if it was predicted
         self._record(batch, start, verified)
 
-    def _run_engine(
-        self, batch: ScheduledBatch, requests: list[Request], rows: list[SamplingRow]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_engine(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
         for listener in self.step_started_listeners:
             listener(batch)
         self._step_started = time.monotonic()
         try:
             slices = [
-                RequestSlice(
-                    [
-                        *r.token_ids[
-                            r.num_computed_tokens : r.num_computed_tokens
-                            + item.num_new_tokens
-                            - len(item.draft_token_ids)
-                        ],
-                        *item.draft_token_ids,
-                    ],
-                    r.num_computed_tokens,
-                    r.block_ids,
-                    item.sample,
-                    item.num_sample_rows,
-                )
-                for r, item in zip(requests, batch.requests, strict=True)
+                RequestSlice(item.step_token_ids, r.num_computed_tokens, r.block_ids, item.sample, item.num_sample_rows)
+                for item in batch.requests
+                for r in [item.request]
             ]
             engine = self.engine
             assert engine is not None

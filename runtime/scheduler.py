@@ -56,6 +56,13 @@ class ScheduledRequest:
         return self.request.request_id
 
     @property
+    def step_token_ids(self) -> list[int]:
+        """The tokens this step computes: the request's next known ones, then the drafts."""
+        start = self.request.num_computed_tokens
+        known = self.request.token_ids[start : start + self.num_new_tokens - len(self.draft_token_ids)]
+        return [*known, *self.draft_token_ids]
+
+    @property
     def num_prompt_chunk_tokens(self) -> int:
         """Tokens of a prompt chunk (more than one): the rows a prefill counts, drafts aside."""
         n = self.num_new_tokens - len(self.draft_token_ids)
@@ -332,7 +339,7 @@ class Scheduler:
         for token in tokens:
             request.token_ids.append(token)
             self.stats.generation_tokens += 1
-            reason = self._token_stop(request, token)
+            reason = self._stops_at(request, token, request.num_output_tokens, request.num_tokens)
             if reason is not None:
                 return reason
         return None
@@ -362,9 +369,6 @@ class Scheduler:
             self.step_budget.observe_step(batch.predicted_ms, measured_ms, batch.has_prefill_chunk)
             if not batch.has_prefill_chunk:
                 self.speculation.observe_step(batch.predicted_ms, measured_ms, batch.has_drafts)
-
-    def _token_stop(self, request: Request, token: int) -> FinishReason | None:
-        return self._stops_at(request, token, request.num_output_tokens, request.num_tokens)
 
     def _stops_at(self, request: Request, token: int, num_output: int, num_tokens: int) -> FinishReason | None:
         """The reason `token` stops the request once it holds `num_output` outputs, `num_tokens` in all."""
