@@ -58,19 +58,17 @@ class _TailDecoder:
         return after[len(before) :]
 
 
-def _stream_decoder(tokenizer: Any, context_token_ids: list[int], skip_special_tokens: bool) -> _StreamDecoder:
-    # DecodeStream runs only the Rust decoder: a tokenizer whose decode() also cleans up spaces
-    # in Python would stream different text than it decodes, so it keeps the tail path.
-    if hasattr(tokenizer, "backend_tokenizer") and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return _RustStreamDecoder(tokenizer, context_token_ids, skip_special_tokens)
-    return _TailDecoder(tokenizer, context_token_ids, skip_special_tokens)
-
-
 class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool = True
     ) -> None:
-        self._decoder = _stream_decoder(tokenizer, list(prompt_token_ids[-_PROMPT_CONTEXT:]), skip_special_tokens)
+        # DecodeStream runs only the Rust decoder: a tokenizer whose decode() also cleans up spaces
+        # in Python would stream different text than it decodes, so it keeps the tail path.
+        rust = hasattr(tokenizer, "backend_tokenizer") and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        decoder = _RustStreamDecoder if rust else _TailDecoder
+        self._decoder: _StreamDecoder = decoder(
+            tokenizer, list(prompt_token_ids[-_PROMPT_CONTEXT:]), skip_special_tokens
+        )
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""

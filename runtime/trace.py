@@ -50,17 +50,10 @@ class TraceRecorder:
         with self._lock:
             self.events.append(event)
             if step.predicted_ms is not None:  # a counter track: both curves, one graph in Perfetto
-                self.events.append(self._step_time_counter(step, step.predicted_ms))
-
-    @staticmethod
-    def _step_time_counter(step: StepRecord, predicted_ms: float) -> dict[str, Any]:
-        return {
-            "name": "step_ms",
-            "ph": "C",
-            "pid": _STEP_TRACK,
-            "ts": step.start * 1e6,
-            "args": {"measured": 1000 * (step.end - step.start), "predicted": predicted_ms},
-        }
+                times = {"measured": 1000 * (step.end - step.start), "predicted": step.predicted_ms}
+                self.events.append(
+                    {"name": "step_ms", "ph": "C", "pid": _STEP_TRACK, "ts": step.start * 1e6, "args": times}
+                )
 
     def on_finish(self, request: Request) -> None:
         t = request.times

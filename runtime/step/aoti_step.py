@@ -53,12 +53,8 @@ class _Container:
         # (container, inputs, num_inputs, outputs, num_outputs, stream, proxy executor)
         self.lib.AOTInductorModelContainerRun.argtypes = [pointer, pointer, size, pointer, size, pointer, pointer]
         self.handle = ctypes.c_void_p()
-        self._check(
-            self.lib.AOTInductorModelContainerCreateWithDevice(
-                ctypes.byref(self.handle), ctypes.c_size_t(1), b"cpu", None
-            ),
-            "create",
-        )
+        create = self.lib.AOTInductorModelContainerCreateWithDevice
+        self._check(create(ctypes.byref(self.handle), ctypes.c_size_t(1), b"cpu", None), "create")
         self.num_inputs = self._count("AOTInductorModelContainerGetNumInputs")
         self.num_outputs = self._count("AOTInductorModelContainerGetNumOutputs")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +25,11 @@ from ifb.runtime.step.quant_embedding import QuantEmbedding
 from ifb.runtime.step.quant_linear import QuantLinear
 from ifb.runtime.step.segmented_linear import SegmentedLinear, part_formats, segments
 
-AttentionFn = Callable[..., torch.Tensor]
-WriteKvFn = Callable[..., None]
-
 
 @dataclass(frozen=True, slots=True)
 class AttentionOps:
-    attend: AttentionFn
-    write_kv: WriteKvFn
+    attend: Callable[..., torch.Tensor]
+    write_kv: Callable[..., None]
 
 
 FAST_OPS = AttentionOps(paged_attention, write_kv)
@@ -168,13 +166,9 @@ def _norm_or_identity(spec: ModelSpec, dim: int, present: bool) -> nn.Module:
     return RMSNorm(dim, spec.rms_norm_eps, spec.norm_weight_offset) if present else nn.Identity()
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
 ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     Activation.SILU: F.silu,
-    Activation.GELU_TANH: _gelu_tanh,
+    Activation.GELU_TANH: partial(F.gelu, approximate="tanh"),
 }
 
 
