@@ -242,31 +242,29 @@ void run_format(const Int8Problem& p, int64_t tile_begin, int64_t tile_end) {
 
 void quantize_rows_int8(const float* x, int64_t x_row_stride, int64_t k, int64_t row_begin, int64_t row_end,
                         const Int8Activations& out) {
+  // Vectorized, with the scalar definition's exact bits: max is exact in any order, d and 1/d are
+  // the same scalar operations, x * (1/d) the same IEEE product per lane, cvtps rounds half to
+  // even as nearbyint does under the default mode, and integer sums are exact. (The scalar loop
+  // was ~1 ns per value: 17% of SmolLM2's int8 matmul time at 512 rows, one thread.)
+  static_assert(kBlockSize == 2 * kLanes, "a 32-block is two vectors");
   const int64_t num_blocks = k / kBlockSize;
   for (int64_t row = row_begin; row < row_end; ++row) {
     for (int64_t b = 0; b < num_blocks; ++b) {
       const float* xb = x + row * x_row_stride + b * kBlockSize;
-      float amax = 0.0f;
-      for (int i = 0; i < kBlockSize; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.0f;
-      const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      const V first = load(xb), second = load(xb + kLanes);
+      const float d = max_lanes(max(abs_(first), abs_(second))) / 127.0f;
+      const V inverse = broadcast(d != 0.0f ? 1.0f / d : 0.0f);
+      const QI q0 = to_int(mul(first, inverse)), q1 = to_int(mul(second, inverse));
       int8_t* q = out.xq + row * out.xq_row_stride + b * kBlockSize;
-      int32_t sum = 0;
-      for (int i = 0; i < kBlockSize; ++i) {
-        // nearbyint under the default rounding mode: round half to even, as torch.round.
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inverse));
-        q[i] = static_cast<int8_t>(v);
-        sum += v;
-      }
+      store_int8(q, q0);
+      store_int8(q + kLanes, q1);
       const int64_t at = row * out.blocks_row_stride + b;
+      const int32_t half0 = sum_int_lanes(q0), half1 = sum_int_lanes(q1);
       out.x_scales[at] = d;
-      out.x_sums[at] = sum;
-      out.x_scaled_sums[at] = d * static_cast<float>(sum);
-      for (int h = 0; h < 2; ++h) {
-        int32_t half = 0;
-        for (int i = 0; i < 16; ++i) half += q[16 * h + i];
-        out.x_half_sums[2 * at + h] = half;
-      }
+      out.x_sums[at] = half0 + half1;
+      out.x_scaled_sums[at] = d * static_cast<float>(half0 + half1);
+      out.x_half_sums[2 * at] = half0;
+      out.x_half_sums[2 * at + 1] = half1;
     }
   }
 }

@@ -50,6 +50,9 @@ inline float sum_lanes(V v) {  // lanes i + i+8 first, then sum_eight's tree, as
 }
 inline float max_lanes(V v) { return _mm512_reduce_max_ps(v.a); }
 inline V round_nearest(V v) { return {_mm512_roundscale_ps(v.a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V abs_(V v) { return {_mm512_abs_ps(v.a)}; }
+// Rounded to int32 in the current rounding mode (half to even by default), as std::nearbyint.
+inline QI to_int(V v) { return {_mm512_cvtps_epi32(v.a)}; }
 // 2^n for integral n in [-126, 127], exactly, through the exponent field.
 inline V pow2(V n) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.a), _mm512_set1_epi32(127)), 23);
@@ -71,6 +74,9 @@ inline QI bytes_signed(const uint8_t* p) {
 inline QI load_bytes(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }  // 64 bytes as they lie
 inline QI splat(int32_t x) { return {_mm512_set1_epi32(x)}; }
 inline V to_float(QI q) { return {_mm512_cvtepi32_ps(q.a)}; }
+inline int32_t sum_int_lanes(QI q) { return _mm512_reduce_add_epi32(q.a); }
+// The 16 int32 lanes (each within int8's range) stored as 16 bytes.
+inline void store_int8(int8_t* p, QI q) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(q.a)); }
 // int32-lane arithmetic.
 inline QI add(QI a, QI b) { return {_mm512_add_epi32(a.a, b.a)}; }
 inline QI sub(QI a, QI b) { return {_mm512_sub_epi32(a.a, b.a)}; }
@@ -148,6 +154,11 @@ inline V round_nearest(V v) {
   constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
 }
+inline V abs_(V v) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(v.lo, magnitude), _mm256_and_ps(v.hi, magnitude)};
+}
+inline QI to_int(V v) { return {_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi)}; }
 inline __m256 pow2_half(__m256 n) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_castsi256_ps(bits);
@@ -181,6 +192,18 @@ inline QI splat(int32_t x) {
   return {b, b};
 }
 inline V to_float(QI q) { return {_mm256_cvtepi32_ps(q.lo), _mm256_cvtepi32_ps(q.hi)}; }
+inline int32_t sum_int_lanes(QI q) {
+  const __m256i eight = _mm256_add_epi32(q.lo, q.hi);
+  const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
+  const __m128i two = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+  return _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
+}
+inline void store_int8(int8_t* p, QI q) {
+  // packs works within 128-bit halves: (lo 0-3, hi 0-3 | lo 4-7, hi 4-7); the permute puts lo first.
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q.lo, q.hi), 0xD8);
+  const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bytes);
+}
 inline QI add(QI a, QI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline QI sub(QI a, QI b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
 inline QI mullo(QI a, QI b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }

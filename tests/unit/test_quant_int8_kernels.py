@@ -52,6 +52,32 @@ def test_activation_quantization_round_trips_within_half_a_step() -> None:
     assert d[1, 1] == 0 and not q.reshape(3, -1, BLOCK_SIZE)[1, 1].any()
 
 
+def identity_q8_0(k: int) -> torch.Tensor:
+    """Q8_0 blocks of the k x k identity: row n holds d = 1 and quant 1 at column n, zeros elsewhere."""
+    blocks = torch.zeros(k, k // BLOCK_SIZE, 2 + BLOCK_SIZE, dtype=torch.uint8)
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    for n in range(k):
+        blocks[n, n // BLOCK_SIZE, :2] = one
+        blocks[n, n // BLOCK_SIZE, 2 + n % BLOCK_SIZE] = 1
+    return blocks.reshape(k, -1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_quantizes_activations_bit_for_bit_as_the_reference(quant_library: QuantLibrary, threads: int) -> None:
+    """Through identity weights each output is one rounding of q * d: the kernel's own int8 values
+    and scales, which must equal quantize_activations' (ties round half to even, zero blocks stay 0)."""
+    k = 96
+    x = random_x(37, k, seed=5)
+    x[1, 32:64] = 0.0
+    x[2, :BLOCK_SIZE] = torch.arange(BLOCK_SIZE) - 15.5  # peak 16.5 -> ties at every other value
+    x[3, :BLOCK_SIZE] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.0] * 26)  # d = 1: ties
+    y = int8_matmul(x, identity_q8_0(k), WeightFormat.Q8_0, threads)
+    q, d = quant_ops.quantize_activations(x)
+    expected = (q.to(torch.float32).reshape(37, -1, BLOCK_SIZE) * d[..., None]).reshape(37, k)
+    assert torch.equal(y, expected)
+    assert y[3, 1] == 2.0 and y[3, 2] == -4.0 and y[3, 3] == 0.0  # half to even
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 96), (40, 608), (100, 64)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 13, 64])
