@@ -191,14 +191,11 @@ class Executor:
     def _take_inbox(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while item is not None:
+                self._apply(item)
+                item = self._inbox.get_nowait()
         except queue.Empty:
             return
-        while item is not None:
-            self._apply(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _apply(self, item: _Add | _Abort | _Refused) -> None:
         if isinstance(item, _Add):

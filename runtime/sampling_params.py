@@ -58,9 +58,7 @@ class SamplingParams:
     reasoning_budget: ReasoningBudget | None = None  # tokens a <think> block may hold (reasoning_budget.py)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)

@@ -144,13 +144,9 @@ class DraftModelProposer:
     def _catch_up(self, context: DraftContext, tokens: list[int], start: int) -> int:
         """Feed tokens[start:] in chunks the draft engine takes; the last chunk's next token."""
         chunk = self.config.limits.max_num_tokens
-        position = start
-        while True:
-            piece = tokens[position : position + chunk]
-            token = self._run(context, piece, position)
-            position += len(piece)
-            if position >= len(tokens):
-                return token
+        for position in range(start, len(tokens), chunk):  # start < len(tokens): the last is always fed
+            token = self._run(context, tokens[position : position + chunk], position)
+        return token
 
     def _run(self, context: DraftContext, piece: list[int], start: int) -> int:
         """One draft step over `piece` at `start`; the greedy next token after it."""

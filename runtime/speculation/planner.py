@@ -243,11 +243,10 @@ class SpeculationPlanner:
                     continue
             draft = self.proposer.propose(request, limit)[:limit]
             if step_ms is not None:
-                draft = draft[
-                    : _worth(
-                        budget, shape, request, odds, len(draft), step_ms, emitted, target_ms, ratios, self.proposer
-                    )
-                ]
+                keep = _worth(
+                    budget, shape, request, odds, len(draft), step_ms, emitted, target_ms, ratios, self.proposer
+                )
+                draft = draft[:keep]
             if not draft:
                 continue
             drafts[request.request_id] = tuple(draft)

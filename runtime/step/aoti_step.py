@@ -85,14 +85,11 @@ class _Container:
         """Point the library's constants at caller-owned tensors (no copy; they must outlive it)."""
         handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(list(constants.values()))
         self._constant_handles = handles  # the handles reference the tensors: keep them alive
-        entries = (_ConstantEntry * len(constants))(
-            *[
-                _ConstantEntry(name.encode(), _capsule_pointer(h, None))
-                for name, h in zip(constants, handles, strict=True)
-            ]
-        )
+        pairs = zip(constants, handles, strict=True)
+        entries = [_ConstantEntry(name.encode(), _capsule_pointer(h, None)) for name, h in pairs]
+        array = (_ConstantEntry * len(entries))(*entries)
         code = self.lib.AOTInductorModelContainerUpdateUserManagedConstantBufferPairs(
-            self.handle, entries, ctypes.c_size_t(len(constants)), ctypes.c_bool(False), ctypes.c_bool(True)
+            self.handle, array, ctypes.c_size_t(len(constants)), ctypes.c_bool(False), ctypes.c_bool(True)
         )
         self._check(code, "UpdateUserManagedConstantBufferPairs")
 
