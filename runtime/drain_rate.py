@@ -30,8 +30,7 @@ class DrainRate:
             recent = [t for t in self._finishes if now - t <= WINDOW_S]
         if not recent:
             return None
-        span = max(now - recent[0], 1.0)
-        return len(recent) / span
+        return len(recent) / max(now - recent[0], 1.0)  # over at least a second
 
     def retry_after_s(self, num_ahead: int) -> int:
         """Seconds until `num_ahead` requests have likely left, clamped to [1, 60]."""

@@ -166,17 +166,12 @@ class Scheduler:
                 chosen[request.request_id] = (request, size)
         drafts = self._drafts(chosen)
         batch = tuple(
-            ScheduledRequest(
-                r,
-                n + len(drafts.get(r.request_id, ())),
-                r.num_computed_tokens + n == r.num_tokens,
-                drafts.get(r.request_id, ()),
-            )
+            ScheduledRequest(r, n + len(draft), r.num_computed_tokens + n == r.num_tokens, draft)
             for r, n in chosen.values()
+            for draft in [drafts.get(r.request_id, ())]
         )
-        return ScheduledBatch(
-            batch, self.step_budget.predict_ms(step_shape((i.request, i.num_new_tokens) for i in batch))
-        )
+        shape = step_shape((item.request, item.num_new_tokens) for item in batch)
+        return ScheduledBatch(batch, self.step_budget.predict_ms(shape))
 
     def _pending_prompts(self, prefilling: Sequence[Request]) -> list[PendingPrompt]:
         """The prompts this step's prefill could serve, in the order it serves them: those

@@ -125,15 +125,13 @@ def cut_drafts_by_grammar(batch: ScheduledBatch, live: Mapping[str, LiveRequest]
 def _grammar_allows(matcher: Any, draft: Sequence[int]) -> int:
     """How many leading draft tokens the matcher accepts without completing; it is left as found."""
     accepted = 0
-    allowed = len(draft)
-    for position, token in enumerate(draft):
+    for token in draft:
         if not matcher.accept_token(token):
-            allowed = position
             break
         accepted += 1
-        if matcher.is_terminated():
-            allowed = position
-            break
+        if matcher.is_terminated():  # the completing token is not allowed: no row after it to mask
+            matcher.rollback(accepted)
+            return accepted - 1
     if accepted:
         matcher.rollback(accepted)
-    return allowed
+    return accepted

@@ -123,10 +123,9 @@ class Attention(nn.Module):
         super().__init__()
         self.rotary = index not in spec.no_rope_layers  # SmolLM3's NoPE layers: positions reach them only causally
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.q_dim, self.kv_dim = q_dim, kv_dim
-        self.qkv = nn.Linear(spec.hidden_size, q_dim + 2 * kv_dim, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=False)
+        self.q_dim, self.kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv = nn.Linear(spec.hidden_size, self.q_dim + 2 * self.kv_dim, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_dim, spec.hidden_size, bias=False)
         self.block_size = block_size
         self.scale = spec.attention_scale or spec.head_dim**-0.5
         # Mistral, Phi-3, Gemma 3's local layers: each query sees its last `window` keys

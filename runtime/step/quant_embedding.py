@@ -21,11 +21,7 @@ class QuantEmbedding(nn.Module):
     """ids [T] -> fp32 [T, dim], from its own packed table or the tied head's (`shared_head`)."""
 
     def __init__(
-        self,
-        fmt: WeightFormat,
-        num_embeddings: int,
-        dim: int,
-        shared_head: QuantLinear | None = None,
+        self, fmt: WeightFormat, num_embeddings: int, dim: int, shared_head: QuantLinear | None = None
     ) -> None:
         super().__init__()
         self.fmt, self.num_embeddings, self.dim = fmt, num_embeddings, dim

@@ -50,11 +50,7 @@ class SegmentedLinear(nn.Module):
     """y = cat(segment_0(x), segment_1(x), ...) (+ bias); segment i is child module `str(i)`."""
 
     def __init__(
-        self,
-        in_features: int,
-        layout: list[tuple[WeightFormat, int]],
-        bias: bool,
-        compute: WeightCompute,
+        self, in_features: int, layout: list[tuple[WeightFormat, int]], bias: bool, compute: WeightCompute
     ) -> None:
         super().__init__()
         self.in_features = in_features
