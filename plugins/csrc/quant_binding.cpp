@@ -58,20 +58,50 @@ int64_t grain_tiles(int64_t m, int64_t k) { return std::max<int64_t>(1, (int64_t
 // one-row kernels stream best (1B Q4_K_M decode step, medians of eight alternated runs: 4-tile
 // chunks 25.2 ms, eighths 24.2 ms).
 constexpr int64_t kChunksPerThread = 8;
+// A prompt's rows are split too when its tiles make few chunks: SmolLM2's 576 columns are 9
+// four-tile chunks, which two threads share 5 : 4, so one waited a ninth of the matmul (2-thread
+// speedup 1.71x at 200 rows). Halves of the rows double the chunks; each half re-reads the
+// chunk's weights, from cache at these sizes. From this many rows per half.
+constexpr int64_t kMinRowsPerPart = 32;
+// Calls fn(row_begin, row_end, tile_begin, tile_end) over parts covering rows [0, m) x tiles [0, tiles).
 template <typename Fn>
-void for_tile_chunks(int64_t tiles, int64_t grain, const Fn& fn) {
+void for_tile_chunks(int64_t m, int64_t tiles, int64_t grain, const Fn& fn) {
   const int threads = at::get_num_threads();
   const int64_t share = tiles / (kChunksPerThread * threads) / kGroupTiles * kGroupTiles;
   const int64_t chunk = std::max({grain, kGroupTiles, share});
-  if (threads == 1 || tiles <= chunk || at::in_parallel_region()) {
-    fn(0, tiles);
+  if (threads == 1 || (tiles <= chunk && m < 2 * kMinRowsPerPart) || at::in_parallel_region()) {
+    fn(0, m, 0, tiles);
     return;
   }
+  const int64_t tile_chunks = (tiles + chunk - 1) / chunk;
+  const int64_t row_parts = tile_chunks < kChunksPerThread * threads && m >= 2 * kMinRowsPerPart ? 2 : 1;
+  const int64_t half = (m + 1) / 2;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t begin = next.fetch_add(chunk); begin < tiles; begin = next.fetch_add(chunk))
-      fn(begin, std::min(begin + chunk, tiles));
+    for (int64_t unit = next.fetch_add(1); unit < tile_chunks * row_parts; unit = next.fetch_add(1)) {
+      const int64_t begin = unit / row_parts * chunk, part = unit % row_parts;
+      const int64_t row_begin = row_parts == 1 ? 0 : part * half, row_end = row_parts == 1 ? m : std::min(m, row_begin + half);
+      fn(row_begin, row_end, begin, std::min(begin + chunk, tiles));
+    }
   });
+}
+
+// Rows [begin, end) of a problem as a problem of their own (a row's result depends on no other row).
+Problem rows_of(Problem p, int64_t begin, int64_t end) {
+  p.x += begin * p.x_row_stride;
+  p.y += begin * p.y_row_stride;
+  p.m = end - begin;
+  return p;
+}
+Int8Problem rows_of(Int8Problem p, int64_t begin, int64_t end) {
+  p.xq += begin * p.xq_row_stride;
+  p.x_scales += begin * p.blocks_row_stride;
+  p.x_sums += begin * p.blocks_row_stride;
+  p.x_scaled_sums += begin * p.blocks_row_stride;
+  p.x_half_sums += 2 * begin * p.blocks_row_stride;
+  p.y += begin * p.y_row_stride;
+  p.m = end - begin;
+  return p;
 }
 
 // x [..., k] as contiguous rows [m, k], and the output y [..., n] both matmuls write.
@@ -92,7 +122,9 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& packed, c10::stri
   if (m == 0) return y;
   const Problem problem{rows.const_data_ptr<float>(), k, packed.const_data_ptr<uint8_t>(), y.mutable_data_ptr<float>(),
                         n, m, n, k, format};
-  for_tile_chunks(num_tiles(n), grain_tiles(m, k), [&](int64_t begin, int64_t end) { run_tiles(problem, begin, end); });
+  for_tile_chunks(m, num_tiles(n), grain_tiles(m, k), [&](int64_t row_begin, int64_t row_end, int64_t begin, int64_t end) {
+    run_tiles(rows_of(problem, row_begin, row_end), begin, end);
+  });
   return y;
 }
 
@@ -122,7 +154,9 @@ at::Tensor quant_matmul_int8(const at::Tensor& x, const at::Tensor& packed, c10:
                             sums.const_data_ptr<int32_t>(), scaled_sums.const_data_ptr<float>(),
                             half_sums.const_data_ptr<int32_t>(), num_blocks,
                             packed.const_data_ptr<uint8_t>(), y.mutable_data_ptr<float>(), n, m, n, k, format};
-  for_tile_chunks(num_tiles(n), grain_tiles(m, k), [&](int64_t begin, int64_t end) { run_tiles_int8(problem, begin, end); });
+  for_tile_chunks(m, num_tiles(n), grain_tiles(m, k), [&](int64_t row_begin, int64_t row_end, int64_t begin, int64_t end) {
+    run_tiles_int8(rows_of(problem, row_begin, row_end), begin, end);
+  });
   return y;
 }
 

@@ -152,12 +152,13 @@ def test_int8_is_close_to_the_exact_product(quant_library: QuantLibrary, fmt: We
 def test_rows_are_bitwise_batch_invariant(
     quant_library: QuantLibrary, compute: WeightCompute, fmt: WeightFormat, threads: int
 ) -> None:
-    """Row i of matmul(X[s:s+M]) equals matmul(X[i:i+1]) bit for bit, M = 1..40, offsets 0 and 3."""
+    """Row i of matmul(X[s:s+M]) equals matmul(X[i:i+1]) bit for bit, M = 1..40, 64, 65 and 100
+    (split into two row halves across threads), offsets 0 and 3."""
     n, k = 72, 256  # 4.5 tiles: wide and narrow panels / tile groups, a partial tile
     packed = PACKERS[compute](random_blocks(n, k, fmt, seed=6), fmt, n, k)
-    x = random_x(43, k, seed=7)
-    singles = torch.cat([matmul(compute, x[i : i + 1], packed, fmt, n, threads) for i in range(43)])
-    for m in range(1, 41):
+    x = random_x(103, k, seed=7)
+    singles = torch.cat([matmul(compute, x[i : i + 1], packed, fmt, n, threads) for i in range(103)])
+    for m in [*range(1, 41), 64, 65, 100]:
         for start in (0, 3):
             batch = matmul(compute, x[start : start + m], packed, fmt, n, threads)
             assert torch.equal(batch, singles[start : start + m]), f"M={m} offset={start}"

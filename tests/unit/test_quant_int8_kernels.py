@@ -113,12 +113,13 @@ def test_int8_is_close_to_the_exact_product(quant_library: QuantLibrary, fmt: We
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_are_bitwise_batch_invariant(quant_library: QuantLibrary, fmt: WeightFormat, threads: int) -> None:
-    """Row i of matmul(X[s:s+M]) equals matmul(X[i:i+1]) bit for bit, M = 1..40, offsets 0 and 3."""
+    """Row i of matmul(X[s:s+M]) equals matmul(X[i:i+1]) bit for bit, M = 1..40, 64, 65 and 100
+    (split into two row halves across threads), offsets 0 and 3."""
     n, k = 72, 160  # 4.5 tiles: full and partial tile groups, a partial tile
     blocks = random_blocks(n, k, fmt, seed=6)
-    x = random_x(43, k, seed=7)
-    singles = torch.cat([int8_matmul(x[i : i + 1], blocks, fmt, threads) for i in range(43)])
-    for m in range(1, 41):
+    x = random_x(103, k, seed=7)
+    singles = torch.cat([int8_matmul(x[i : i + 1], blocks, fmt, threads) for i in range(103)])
+    for m in [*range(1, 41), 64, 65, 100]:
         for start in (0, 3):
             assert torch.equal(int8_matmul(x[start : start + m], blocks, fmt, threads), singles[start : start + m]), (
                 f"M={m} offset={start}"
