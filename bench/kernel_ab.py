@@ -1,8 +1,8 @@
 """Kernel A/B: the kernel library built from a git revision's plugins/csrc against the working
-tree's, timed alternately in one run on SmolLM2's int8 matmul shapes and a causal prefill's
+tree's, timed alternately in one run on a model's int8 matmul shapes and a causal prefill's
 decode attention, and checked for equal bits.
 
-    .venv/bin/python bench/kernel_ab.py --base HEAD~3 [--rounds 3] [--threads 2] [--rows 200]
+    .venv/bin/python bench/kernel_ab.py --base HEAD~3 [--model smollm2|llama1b] [--rounds 3] [--threads 2] [--rows 200]
 
 Each side runs in its own process (a library is loaded once per process); per shape the median of
 `--repeats` calls, per side the best round. With --cpu-time (one thread) the figures are the
@@ -22,8 +22,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (M, N, K) of SmolLM2-135M's linears: fused qkv, o, fused gate/up, down.
-MATMULS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+# (N, K, format) of each model's linears: fused qkv, o, fused gate/up, down (Llama-3.2-1B as a
+# Q4_K_M file holds most of them: Q4_K, with Q6_K for some down projections).
+MATMULS = {
+    "smollm2": [(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1")],
+    "llama1b": [(3072, 2048, "Q4_K"), (2048, 2048, "Q4_K"), (16384, 2048, "Q4_K"), (2048, 8192, "Q6_K")],
+}
 
 _SIDE = r"""
 import json, statistics, sys, time
@@ -52,12 +56,11 @@ def median_ms(fn):
     return 1e3 * statistics.median(times)
 
 results, outputs = {}, []
-fmt = WeightFormat.Q4_1
-x_all = random_x(rows, 1536, seed=1)
-for n, k in json.loads(sys.argv[8]):
+for n, k, name in json.loads(sys.argv[8]):
+    fmt = WeightFormat[name]
     packed = quant_ops.pack_int8(random_blocks(n, k, fmt, seed=n + k), fmt, n, k)
-    x = x_all[:, :k].contiguous()
-    results[f"int8 {rows}x{n}x{k}"] = median_ms(lambda: quant_ops.quant_linear_int8(x, packed, fmt, n, k))
+    x = random_x(rows, k, seed=1)
+    results[f"int8 {name} {rows}x{n}x{k}"] = median_ms(lambda: quant_ops.quant_linear_int8(x, packed, fmt, n, k))
     outputs.append(quant_ops.quant_linear_int8(x, packed, fmt, n, k))
 generator = torch.Generator().manual_seed(0)
 block, heads, kv_heads, dim = 16, 9, 3, 64
@@ -85,7 +88,7 @@ def base_sources(revision: str, into: Path) -> Path:
 
 def run_side(csrc: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
     command = [sys.executable, "-c", _SIDE, str(ROOT), str(csrc), str(out), str(args.rows), str(args.threads)]
-    command += [str(args.repeats), "1" if args.cpu_time else "0", json.dumps(MATMULS)]
+    command += [str(args.repeats), "1" if args.cpu_time else "0", json.dumps(MATMULS[args.model])]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(result.stderr[-3000:])
@@ -95,6 +98,7 @@ def run_side(csrc: Path, out: Path, args: argparse.Namespace) -> dict[str, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="git revision whose plugins/csrc is the baseline")
+    parser.add_argument("--model", choices=sorted(MATMULS), default="smollm2", help="whose matmul shapes")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=200, help="prompt rows per matmul and attention call")
     parser.add_argument("--threads", type=int, default=2)
