@@ -189,13 +189,11 @@ def checked_engine_folder(target: str | None, params: Mapping[str, Any]) -> Path
 def engine_folder(target: str | None, params: Mapping[str, Any]) -> Path:
     """An engine folder as given (checked against --dtype / --max-model-len), else the one ifb
     built (or builds now, with the flags' build options) for the SOURCE."""
-    folder = checked_engine_folder(target, params)
-    if folder is not None:
-        return folder
     from ifb.find_or_build import DEFAULT_ENGINES_DIR, find_or_build_engine
 
-    try:
-        return Path(find_or_build_engine(target, build_options_for(params), DEFAULT_ENGINES_DIR))
+    try:  # a damaged engine.json is one line too, not a traceback
+        folder = checked_engine_folder(target, params)
+        return folder or Path(find_or_build_engine(target, build_options_for(params), DEFAULT_ENGINES_DIR))
     except (IfbError, BuildError) as error:
         raise click.ClickException(str(error)) from None
 
