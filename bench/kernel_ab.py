@@ -30,11 +30,12 @@ MATMULS = {
 }
 
 _SIDE = r"""
-import json, statistics, sys, time
+import json, sys, time
 from pathlib import Path
 import torch
-sys.path.insert(0, sys.argv[1] + "/tests/unit")
+sys.path[:0] = [sys.argv[1] + "/tests/unit", sys.argv[1] + "/bench"]
 from quant_cases import random_blocks, random_x
+from quant_kernels import median_ms
 from ifb.plugins import quant_build, quant_ops
 from ifb.plugins.quant_formats import WeightFormat
 
@@ -45,22 +46,12 @@ quant_build.load_quant_library(library.path, library.required_features)
 torch.set_num_threads(threads)
 clock = time.thread_time if cpu_time else time.perf_counter
 
-def median_ms(fn):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return 1e3 * statistics.median(times)
-
 results, outputs = {}, []
 for n, k, name in json.loads(sys.argv[8]):
     fmt = WeightFormat[name]
     packed = quant_ops.pack_int8(random_blocks(n, k, fmt, seed=n + k), fmt, n, k)
     x = random_x(rows, k, seed=1)
-    results[f"int8 {name} {rows}x{n}x{k}"] = median_ms(lambda: quant_ops.quant_linear_int8(x, packed, fmt, n, k))
+    results[f"int8 {name} {rows}x{n}x{k}"] = median_ms(lambda: quant_ops.quant_linear_int8(x, packed, fmt, n, k), repeats, clock)
     outputs.append(quant_ops.quant_linear_int8(x, packed, fmt, n, k))
 generator = torch.Generator().manual_seed(0)
 block, heads, kv_heads, dim = 16, 9, 3, 64
@@ -69,7 +60,7 @@ pool = [torch.randn(rows + block, kv_heads, dim, generator=generator) for _ in r
 tables = torch.arange((rows + block) // block).repeat(rows, 1)
 lengths = torch.arange(1, rows + 1)
 attend = lambda: torch.ops.ifb_quant.paged_decode_attention(q, pool[0], pool[1], tables, lengths, block, 0.125)
-results[f"attention {rows}-token causal prefill"] = median_ms(attend)
+results[f"attention {rows}-token causal prefill"] = median_ms(attend, repeats, clock)
 outputs.append(attend())
 torch.save(outputs, out + "/outputs.pt")
 print(json.dumps(results))
