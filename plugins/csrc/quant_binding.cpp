@@ -75,13 +75,12 @@ void for_tile_chunks(int64_t m, int64_t tiles, int64_t grain, const Fn& fn) {
   }
   const int64_t tile_chunks = (tiles + chunk - 1) / chunk;
   const int64_t row_parts = tile_chunks < kChunksPerThread * threads && m >= 2 * kMinRowsPerPart ? 2 : 1;
-  const int64_t half = (m + 1) / 2;
+  const int64_t part_rows = (m + row_parts - 1) / row_parts;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t unit = next.fetch_add(1); unit < tile_chunks * row_parts; unit = next.fetch_add(1)) {
-      const int64_t begin = unit / row_parts * chunk, part = unit % row_parts;
-      const int64_t row_begin = row_parts == 1 ? 0 : part * half, row_end = row_parts == 1 ? m : std::min(m, row_begin + half);
-      fn(row_begin, row_end, begin, std::min(begin + chunk, tiles));
+      const int64_t begin = unit / row_parts * chunk, row_begin = unit % row_parts * part_rows;
+      fn(row_begin, std::min(m, row_begin + part_rows), begin, std::min(begin + chunk, tiles));
     }
   });
 }

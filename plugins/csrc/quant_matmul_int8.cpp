@@ -23,7 +23,6 @@
 // bit merge) gives 16 columns x 4 consecutive k per register.
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -259,10 +258,10 @@ void quantize_rows_int8(const float* x, int64_t x_row_stride, int64_t k, int64_t
       store_int8(q, q0);
       store_int8(q + kLanes, q1);
       const int64_t at = row * out.blocks_row_stride + b;
-      const int32_t half0 = sum_int_lanes(q0), half1 = sum_int_lanes(q1);
+      const int32_t half0 = sum_int_lanes(q0), half1 = sum_int_lanes(q1), sum = half0 + half1;
       out.x_scales[at] = d;
-      out.x_sums[at] = half0 + half1;
-      out.x_scaled_sums[at] = d * static_cast<float>(half0 + half1);
+      out.x_sums[at] = sum;
+      out.x_scaled_sums[at] = d * static_cast<float>(sum);
       out.x_half_sums[2 * at] = half0;
       out.x_half_sums[2 * at + 1] = half1;
     }
