@@ -226,7 +226,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # auto mode parses every call the model makes
+    parallel_tool_calls: bool | None = None  # false: at most one call comes back (tools.py)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -262,7 +262,7 @@ class ChatCompletionRequest(_Common):
         return super().sampling_params(index)
 
     def tool_plan(self) -> ToolPlan:
-        return plan_tools(self.tools, self.tool_choice)
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def guided(self) -> GuidedDecoding | None:
         forced = self.tool_plan().guided

@@ -7,6 +7,8 @@
   (anyOf over the tools' schemas), so it always names a real tool with valid arguments.
 - `auto`: the model decides; the calls in its text, in its family's format, are read by the
   server's tool-call parser (tool_parsers.py: hermes `<tool_call>` blocks, llama3_json, mistral).
+  `parallel_tool_calls: false` returns the first of them only (as vLLM does; required and named
+  make exactly one call anyway).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class ToolPlan:
     mode: Literal["none", "auto", "required", "named"]
     tools: tuple[Tool, ...]
     named: str | None = None
+    parallel: bool = True  # parallel_tool_calls: False returns at most one call
 
     @property
     def guided(self) -> GuidedDecoding | None:
@@ -93,14 +96,15 @@ class ToolPlan:
                 return None, [_call(call["name"], json.dumps(call["arguments"]))]
             if self.mode == "auto":
                 content, calls = parser.parse(text, {t.function.name for t in self.tools})
-                return content, [_call(c.name, c.arguments) for c in calls]
+                return content, [_call(c.name, c.arguments) for c in calls[: None if self.parallel else 1]]
         except (ValueError, KeyError, TypeError):
             pass
         return text, []
 
 
-def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolPlan:
-    """Check tools and tool_choice together; AdmissionError names the field."""
+def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None = None) -> ToolPlan:
+    """Check tools and tool_choice together; AdmissionError names the field. `parallel`:
+    the request's parallel_tool_calls (None: OpenAI's default, true)."""
     tools = tools or []
     for index, tool in enumerate(tools):  # the chat template shows them; required / named compile them
         require_unicode_strings(tool.model_dump(exclude_none=True), "tools", f"tools.{index}")
@@ -114,10 +118,10 @@ def plan_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolPlan:
             raise AdmissionError(
                 f"tool_choice names function {choice.function.name!r}, which is not in tools", field="tool_choice"
             )
-        return ToolPlan("named", tuple(tools), choice.function.name)
+        return ToolPlan("named", tuple(tools), choice.function.name, parallel is not False)
     if choice in ("required", "auto") and not tools:
         raise AdmissionError(f"tool_choice {choice!r} needs at least one tool in tools", field="tool_choice")
-    return ToolPlan(choice, tuple(tools))
+    return ToolPlan(choice, tuple(tools), parallel=parallel is not False)
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
