@@ -92,7 +92,8 @@ class RuntimeSettings:
         "Time-to-first-token target: when prompts waiting for their first token near it, a step's prefill "
         "chunk grows past the inter-token target (up to 1.2x it) as far as their deadlines need, so requests "
         "meet both targets. Default: derived from the cost model (the time to prefill a full batch of "
-        "256-token prompts alone, at least 1 s; /health shows it). 0 = off. Needs an inter-token target.",
+        "256-token prompts alone, at least 1 s; /health shows it). 0 = off. Needs an inter-token target: a "
+        "value with --itl-target-ms 0 is refused.",
         minimum=0,
     )
     calibrate: bool = option(
@@ -238,9 +239,31 @@ def check_minimums(settings: RuntimeSettings) -> None:
             raise LimitExceededError(f"{spec.name} must be >= {minimum}, got {value}")
 
 
+def check_first_token_target(engine: EngineConfig, settings: RuntimeSettings) -> None:
+    """A ttft target only grows a step's prompt chunk past the inter-token target's, so without
+    an inter-token target (0, or the default on an engine without a cost model) it would do
+    nothing: refused, not ignored."""
+    ttft, itl = settings.ttft_target_ms, settings.itl_target_ms
+    if not ttft:  # None (the default follows the inter-token target) or 0 (off)
+        return
+    if itl == 0:
+        reason = "--itl-target-ms (itl_target_ms) 0 turns it off, so every step may already take max_num_tokens"
+    elif itl is None and engine.cost_model is None and not settings.calibrate:
+        reason = (
+            "this engine has no step cost model, so --itl-target-ms (itl_target_ms) has no default; add --calibrate"
+        )
+    else:
+        return
+    raise LimitExceededError(
+        f"--ttft-target-ms (ttft_target_ms) {ttft:g} needs an inter-token target: {reason}; "
+        "drop --ttft-target-ms or give --itl-target-ms a target in ms"
+    )
+
+
 def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> RuntimeConfig:
     """Runtime values may lower a baked limit, never raise it."""
     check_minimums(settings)
+    check_first_token_target(engine, settings)
     requested = {
         "max_batch_size": settings.max_batch_size,
         "max_num_tokens": settings.max_num_tokens,
