@@ -6,15 +6,27 @@ never emitted, even when it spans several tokens.
 Fast tokenizers decode with the tokenizers library's own `DecodeStream` (one call into Rust per
 token); slow (pure Python) tokenizers re-decode a short tail through `tokenizer.decode`.
 Both start from the last prompt tokens, so the first output token gets its leading space right.
+
+DecodeStream assumes the text of the tokens it has seen never changes as tokens follow. With a
+byte-fallback vocabulary (SentencePiece: Gemma, Llama 2, Mistral) it can: the decoder turns a run
+of byte tokens that is not valid UTF-8 into one U+FFFD per byte, so an ASCII byte token
+streamed as "x" becomes "\ufffd" once an invalid byte follows it, and DecodeStream raises
+("Invalid prefix encountered", vLLM issue 17448). The text already sent stays; the stream
+restarts from the tokens not yet shown, so the user gets "x\ufffdj" for the bytes 78 E2 6A
+(Python's own lossy UTF-8 decode), and the request goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from tokenizers.decoders import DecodeStream
 
+logger = logging.getLogger(__name__)
+
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so leading spaces come out right
+_INVALID_PREFIX = "Invalid prefix encountered"  # DecodeStream's error when earlier text changed
 
 
 class _StreamDecoder(Protocol):
@@ -24,14 +36,35 @@ class _StreamDecoder(Protocol):
 
 
 class _RustStreamDecoder:
-    """tokenizers' DecodeStream: buffers bytes of an unfinished character inside the library."""
+    """tokenizers' DecodeStream: buffers bytes of an unfinished character inside the library.
+
+    `_unshown` are the tokens pushed since the stream last returned text: where it restarts
+    when the text of earlier tokens changed under it (the module docstring)."""
 
     def __init__(self, tokenizer: Any, context_token_ids: list[int], skip_special_tokens: bool) -> None:
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(context_token_ids, skip_special_tokens=skip_special_tokens)
+        self._skip_special_tokens = skip_special_tokens
+        # A context whose text ends in an unfinished character gives DecodeStream no prefix, and
+        # its first output would repeat the context's text: such a tail is left out.
+        context = list(context_token_ids)
+        while context and self._backend.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        self._stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
+        self._unshown: list[int] = []
 
     def step(self, token_ids: list[int]) -> str:
-        return self._stream.step(self._backend, token_ids) or ""
+        self._unshown += token_ids
+        try:
+            text = self._stream.step(self._backend, token_ids)
+        except Exception as error:  # tokenizers raises a bare Exception
+            if not str(error).startswith(_INVALID_PREFIX):
+                raise
+            logger.warning("detokenizer: %s; restarting the stream from %d tokens", error, len(self._unshown))
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            text = self._stream.step(self._backend, self._unshown)  # no prefix yet: this cannot raise it
+        if text:
+            self._unshown = []
+        return text or ""
 
 
 class _TailDecoder:

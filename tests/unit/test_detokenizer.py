@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import random
 from typing import Any
 
 import pytest
+from byte_fallback import byte_fallback_tokenizer, byte_token, piece
 from tiny_models import tiny_tokenizer
 
 from ifb.runtime.detokenizer import IncrementalDetokenizer
@@ -142,3 +144,76 @@ def test_special_tokens_are_text_only_when_asked(pieces_tokenizer: Any, bpe_toke
         text = tokenizer.decode([word])
         assert hidden.take(final=True) == text + text
         assert shown.take(final=True) == text + tokenizer.convert_ids_to_tokens(special) + text
+
+
+# -- byte fallback (SentencePiece vocabularies: Gemma, Llama 2, Mistral) --------------------------
+X, E2, J = byte_token(0x78), byte_token(0xE2), piece("j")  # "x" as a byte token, a lone lead byte, "j"
+DECODERS = pytest.mark.parametrize("strip_leading_space", [False, True], ids=["gemma", "llama2"])
+
+
+@DECODERS
+def test_decode_stream_raises_on_an_ascii_byte_then_an_invalid_byte(strip_leading_space: bool) -> None:
+    """The seam the next tests go through: tokenizers' DecodeStream streams the byte token 0x78
+    as "x", then a lone 0xE2 and "j" decode as "\ufffd\ufffdj" and it raises (the defect of
+    issue 41, the same message as the Gemma 2 run). If a tokenizers release stops raising,
+    this fails and says the recovery is no longer exercised."""
+    from tokenizers.decoders import DecodeStream
+
+    tokenizer = byte_fallback_tokenizer(strip_leading_space)
+    assert tokenizer.decode([X, E2, J]) == "\ufffd\ufffdj"
+    stream = DecodeStream([], skip_special_tokens=True)
+    assert stream.step(tokenizer.backend_tokenizer, X) == "x"
+    assert stream.step(tokenizer.backend_tokenizer, E2) is None
+    with pytest.raises(Exception, match="Invalid prefix encountered.*Expected prefix: 'x'"):
+        stream.step(tokenizer.backend_tokenizer, J)
+
+
+@DECODERS
+def test_byte_fallback_text_survives_an_invalid_prefix(strip_leading_space: bool) -> None:
+    """The sequence that makes DecodeStream raise streams on: "x" stays sent, the stream restarts
+    from the tokens not yet shown, and the text is the bytes' lossy UTF-8 decode ("x\ufffdj"),
+    with the following word's space kept."""
+    tokenizer = byte_fallback_tokenizer(strip_leading_space)
+    prompt = tokenizer.encode(" the quick", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop=())
+    deltas = stream(detok, [X, E2, J, piece("▁world"), E2, byte_token(0x9C), byte_token(0x93)])
+    text = "".join(deltas) + detok.take(final=True)
+    assert text == b"x\xe2j".decode("utf-8", "replace") + " world✓" == "x\ufffdj world✓"
+
+
+def test_byte_fallback_failure_with_the_ascii_byte_in_the_prompt() -> None:
+    """The prompt ends with the byte token "x" (the stream's context) and the output is 0xE2, "j":
+    what the end-to-end test forces; the output's own text comes out."""
+    tokenizer = byte_fallback_tokenizer()
+    detok = IncrementalDetokenizer(tokenizer, [piece("▁hello"), X], stop=())
+    assert "".join(stream(detok, [E2, J])) + detok.take(final=True) == "\ufffdj"
+
+
+@DECODERS
+def test_a_prompt_ending_mid_character_is_not_repeated(strip_leading_space: bool) -> None:
+    """A prompt (given as token ids) that ends inside a character gave DecodeStream no prefix, so
+    the first output repeated the prompt's text (" hello✓" for the output "✓"'s last byte)."""
+    tokenizer = byte_fallback_tokenizer(strip_leading_space)
+    detok = IncrementalDetokenizer(tokenizer, [piece("▁hello"), E2, byte_token(0x9C)], stop=())
+    text = "".join(stream(detok, [byte_token(0x93), piece("▁world")])) + detok.take(final=True)
+    assert text == "\ufffd world"
+
+
+@DECODERS
+def test_random_byte_fallback_outputs_never_raise(strip_leading_space: bool) -> None:
+    """Seeded random outputs over ASCII, lead and continuation bytes and words: the detokenizer
+    never raises, and an output whose bytes are valid UTF-8 streams exactly its full decode."""
+    tokenizer = byte_fallback_tokenizer(strip_leading_space)
+    choices = [byte_token(v) for v in (0x78, 0x41, 0xE2, 0xC3, 0x9C, 0x93, 0xA9)] + [J, piece("▁the"), piece("▁")]
+    rng = random.Random(41)
+    num_invalid = 0
+    for _ in range(300):
+        output = [rng.choice(choices) for _ in range(rng.randint(1, 12))]
+        detok = IncrementalDetokenizer(tokenizer, [piece("▁hello")], stop=())
+        text = "".join(stream(detok, output)) + detok.take(final=True)
+        full = tokenizer.decode([piece("▁hello"), *output])
+        if "\ufffd" in full:
+            num_invalid += 1
+        else:
+            assert tokenizer.decode([piece("▁hello")]) + text == full, output
+    assert 50 < num_invalid < 300  # both kinds were drawn
