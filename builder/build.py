@@ -19,7 +19,7 @@ from ifb.builder.calibrate import calibrate_engine_folder
 from ifb.builder.compile_process import compile_in_child_process, refuse_in_spawned_bootstrap
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
-from ifb.builder.hf_config import GEMMA3, gemma3_global_layer_type, model_spec_from_hf_config
+from ifb.builder.hf_config import model_spec_from_hf_config
 from ifb.builder.limits import KV_DTYPE_CHOICES, check_kv_dtype_option, resolve_kv_dtype, resolve_limits
 from ifb.builder.network_recipe import INV_FREQ, NetworkRecipe
 from ifb.builder.quant_weights import (
@@ -30,6 +30,7 @@ from ifb.builder.quant_weights import (
     resolve_compute,
     source_packs_weights,
 )
+from ifb.builder.rope import rope_tables
 from ifb.builder.sources import (
     ModelSource,
     SourceMetadata,
@@ -131,40 +132,6 @@ class BuildSummary:
     stage_seconds: dict[str, float]
     stage_peak_bytes: dict[str, int]  # each phase's own peak resident memory (build_clock.py)
     weight_compute: str
-
-
-def rope_tables(hf_config: Any, max_seq_len: int) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling from transformers' own RoPE init (llama3/yarn/longrope/...
-    scaling). LongRoPE (Phi-3) takes its long factors for an engine whose max_seq_len passes
-    original_max_position_embeddings, for every position, as llama.cpp does for such a context:
-    transformers switches per call by the sequence's length, so on prompts shorter than the
-    original window such an engine differs from it (the short factors apply there)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    if hf_config.model_type == GEMMA3:
-        return _gemma3_rope_tables(hf_config)
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "longrope":
-        inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=max_seq_len)
-        return inv_freq.float().clone(), float(attention)
-    rotary = LlamaRotaryEmbedding(hf_config)
-    return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)
-
-
-def _gemma3_rope_tables(hf_config: Any) -> tuple[torch.Tensor, float]:
-    """Gemma 3's global layers' inv_freq and scaling (their rope_theta, rope_scaling where set),
-    by transformers' own init; its local layers' table comes from ModelSpec.local_rope_theta."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
-
-    layer_type = gemma3_global_layer_type(hf_config)
-    rope_type = hf_config.rope_parameters[layer_type].get("rope_type", "default")
-    init = Gemma3RotaryEmbedding.compute_default_rope_parameters
-    if rope_type != "default":
-        init = ROPE_INIT_FUNCTIONS[rope_type]
-    inv_freq, attention = init(hf_config, None, layer_type=layer_type)
-    return inv_freq.float().clone(), float(attention)
 
 
 def _convert(

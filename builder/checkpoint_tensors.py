@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ifb.builder.errors import SourceError
-from ifb.builder.gguf_tensors import TensorInfo
+from ifb.builder.gguf_tensors import TensorInfo, biased_modules
 from ifb.runtime.engine_format import ModelSpec
 
 _LAYER_LINEARS = {
@@ -85,10 +85,9 @@ class CheckpointTensors:
             if self.spec.qk_norm:
                 for norm in ("q_norm", "k_norm"):
                     parts[f"layers.{i}.attn.{norm}.weight"] = (f"model.layers.{i}.self_attn.{norm}.weight",)
-            if self.spec.attention_bias:
-                parts[f"layers.{i}.attn.qkv.bias"] = tuple(
-                    f"model.layers.{i}.{name}.bias" for name in _LAYER_LINEARS["attn.qkv"]
-                )
+            for module in biased_modules(self.spec):
+                names = _LAYER_LINEARS[module]
+                parts[f"layers.{i}.{module}.bias"] = tuple(f"model.layers.{i}.{name}.bias" for name in names)
         return parts
 
     def _slice(self, name: str) -> object:

@@ -15,6 +15,7 @@ blocks is a row of weights, permuting block rows is exact.
 
 from __future__ import annotations
 
+import logging
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +25,11 @@ import numpy as np
 import torch
 
 from ifb.builder.errors import SourceError
+from ifb.builder.gguf_metadata import LONGROPE_TENSORS, ROPE_FREQS_ARCHITECTURES, ROPE_FREQS_TENSOR
 from ifb.plugins.quant_formats import GGUF_TYPE_NAMES, WeightFormat
 from ifb.runtime.engine_format import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 PERMUTED_ARCHITECTURES = ("llama", "smollm3")  # those whose q/k rows llama.cpp's converter permutes
 _LAYER_LINEARS = {
@@ -45,6 +49,19 @@ _SANDWICH_NORMS = {**_LAYER_NORMS, "attn_out_norm": "post_attention_norm", "mlp_
 # multiplies by; our network adds the 1 itself (ModelSpec.norm_weight_offset), so it is taken off
 NORM_SHIFTED_ARCHITECTURES = ("gemma2", "gemma3")
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
+# llama.cpp's activation block types (no weight of a released file is stored so, but nothing stops
+# a file): bytes per block, and where each block's scale and int8 values sit; dequantized here,
+# since gguf-py has no dequantizer for them
+_Q8_ACTIVATION_TYPES = {"Q8_1": (36, np.float16, 4), "Q8_K": (292, np.float32, 4)}
+# Tensors the config reads (sources.gguf_config: RoPE factors), by the architectures that read them
+_CONFIG_TENSORS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(ROPE_FREQS_ARCHITECTURES, (ROPE_FREQS_TENSOR,)),
+    "phi3": LONGROPE_TENSORS,
+}
+# Tensors llama.cpp's graph does not read either, and why: named in one build warning
+_UNNEEDED_TENSORS = {
+    ".attn_rot_embd.weight": "a rotary table of early conversions; RoPE is computed from rope.freq_base",
+}
 
 
 def linear_parts(spec: ModelSpec, tensor_names: set[str]) -> dict[str, tuple[str, ...]]:
@@ -59,6 +76,17 @@ def linear_parts(spec: ModelSpec, tensor_names: set[str]) -> dict[str, tuple[str
     return parts
 
 
+def biased_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """The layer's linear modules that carry a bias (q/k/v's is one fused bias, gate/up's too)."""
+    biased = {
+        "attn.qkv": spec.attention_bias,
+        "attn.o_proj": spec.attention_out_bias,
+        "mlp.gate_up": spec.mlp_bias,
+        "mlp.down": spec.mlp_bias,
+    }
+    return tuple(module for module, has_bias in biased.items() if has_bias)
+
+
 def dense_parts(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
     """Our non-linear tensor names (norms, biases, the embedding table) -> GGUF tensor names."""
     parts: dict[str, tuple[str, ...]] = {"embed.weight": ("token_embd.weight",), "norm.weight": ("output_norm.weight",)}
@@ -69,8 +97,8 @@ def dense_parts(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
         if spec.qk_norm:
             for norm in ("q_norm", "k_norm"):
                 parts[f"layers.{i}.attn.{norm}.weight"] = (f"blk.{i}.attn_{norm}.weight",)
-        if spec.attention_bias:
-            parts[f"layers.{i}.attn.qkv.bias"] = tuple(f"blk.{i}.{name}.bias" for name in _LAYER_LINEARS["attn.qkv"])
+        for module in biased_modules(spec):
+            parts[f"layers.{i}.{module}.bias"] = tuple(f"blk.{i}.{name}.bias" for name in _LAYER_LINEARS[module])
     return parts
 
 
@@ -110,11 +138,15 @@ class GgufTensors:
         self.norm_shift = 1.0 if _architecture(self._reader) in NORM_SHIFTED_ARCHITECTURES else 0.0
         self.linears = linear_parts(spec, set(self._tensors))
         self.dense = dense_parts(spec)
-        missing = sorted(
-            {name for names in (*self.linears.values(), *self.dense.values()) for name in names} - set(self._tensors)
-        )
+        needed = {name for names in (*self.linears.values(), *self.dense.values()) for name in names}
+        missing = sorted(needed - set(self._tensors))
         if missing:
             raise SourceError(f"{path} lacks tensors the {spec.architecture} network needs: {', '.join(missing[:8])}")
+        architecture = _architecture(self._reader)
+        _account_for_the_rest(
+            path, architecture, set(self._tensors) - needed - set(_CONFIG_TENSORS.get(architecture, ()))
+        )
+        _refuse_unreadable_types(path, [self.info(name) for name in sorted(needed)])
 
     def info(self, name: str) -> TensorInfo:
         tensor = self._tensors[name]
@@ -136,7 +168,13 @@ class GgufTensors:
         import gguf
 
         tensor = self._tensors[name]
-        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        type_name = tensor.tensor_type.name
+        if type_name in ("F32", "F16", "F64"):
+            values = np.asarray(tensor.data)
+        elif type_name in _Q8_ACTIVATION_TYPES:
+            values = _dequantize_q8(np.asarray(tensor.data), type_name)
+        else:
+            values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))  # F32 comes back as the mapping
         self._release(tensor)
         if self.norm_shift and name.endswith("norm.weight"):
@@ -165,6 +203,60 @@ class GgufTensors:
         if ".attn_k." in name:
             return unpermute_rows(rows, self.spec.num_kv_heads)
         return rows
+
+
+def _account_for_the_rest(path: Path, architecture: str, rest: set[str]) -> None:
+    """Every tensor the network does not take is named: in one warning where llama.cpp's graph
+    does not read it either (and why), else refused (a weight we would silently drop)."""
+    unneeded: dict[str, list[str]] = {}
+    for name in sorted(rest):
+        reason = next((why for suffix, why in _UNNEEDED_TENSORS.items() if name.endswith(suffix)), None)
+        if reason is not None:
+            unneeded.setdefault(reason, []).append(name)
+    unknown = sorted(rest - {name for names in unneeded.values() for name in names})
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
+        raise SourceError(f"{path} has tensors the {architecture} network does not apply: {shown}")
+    if unneeded:
+        logger.warning(
+            "GGUF tensor(s) not needed: %s",
+            "; ".join(f"{', '.join(names)} ({why})" for why, names in unneeded.items()),
+        )
+
+
+def readable_type(type_name: str) -> bool:
+    """Whether a GGUF tensor type can be read as floats here: kept as blocks, dense, or dequantized."""
+    import gguf
+
+    if type_name in GGUF_TYPE_NAMES or type_name in _DENSE_TYPES or type_name in _Q8_ACTIVATION_TYPES:
+        return True
+    quant = getattr(gguf.quants, type_name, None)  # gguf-py's dequantizer class of that type, if any
+    return isinstance(quant, type) and getattr(getattr(quant, "qtype", None), "name", None) == type_name
+
+
+def _refuse_unreadable_types(path: Path, infos: list[TensorInfo]) -> None:
+    """Refuse, by type and tensor, what no kernel reads and nothing here dequantizes (integer
+    tensors, block types newer than gguf-py's dequantizers)."""
+    unreadable: dict[str, list[str]] = {}
+    for info in infos:
+        if not readable_type(info.type_name):
+            unreadable.setdefault(info.type_name, []).append(info.name)
+    if unreadable:
+        raise SourceError(
+            f"{path} has tensors of GGUF types with no kernel and no dequantizer here: "
+            + "; ".join(f"{kind}: {', '.join(names[:4])}" for kind, names in unreadable.items())
+        )
+
+
+def _dequantize_q8(data: np.ndarray, type_name: str) -> np.ndarray:
+    """Q8_1 (fp16 scale, fp16 sum, 32 int8) and Q8_K (fp32 scale, 256 int8, 16 int16 sums): each
+    weight is scale x int8; the sums are the activation kernels' and unused here."""
+    block_bytes, scale_type, values_at = _Q8_ACTIVATION_TYPES[type_name]
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
+    scale = blocks[:, : np.dtype(scale_type).itemsize].view(scale_type).astype(np.float32)
+    weights_per_block = 32 if type_name == "Q8_1" else 256
+    values = blocks[:, values_at : values_at + weights_per_block].view(np.int8).astype(np.float32)
+    return (scale * values).reshape(*data.shape[:-1], -1)
 
 
 def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:

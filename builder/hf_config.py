@@ -28,6 +28,11 @@ WINDOW_ARCHITECTURES = ("mistral", "phi3")
 # these on the layers `layer_types` names only (ModelSpec.full_attention_layers: the others)
 LAYER_TYPES_WINDOW_ARCHITECTURES = ("qwen2", "qwen3", "smollm3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+# Whose transformers attention gives q/k/v *and* o_proj a bias when `attention_bias` is set
+# (Qwen2's q/k/v bias is fixed, its o_proj has none; Mistral's and Phi-3's layers never do)
+CONFIG_ATTENTION_BIAS_ARCHITECTURES = ("llama", "qwen3", "smollm3", GEMMA2, GEMMA3)
+# Whose transformers MLP gives gate/up/down a bias when `mlp_bias` is set
+CONFIG_MLP_BIAS_ARCHITECTURES = ("llama", "smollm3")
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -146,7 +151,8 @@ def _common_spec(config: Any) -> ModelSpec:
     model_type = config.model_type
     num_heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    bias = SUPPORTED_ARCHITECTURES[model_type] or bool(getattr(config, "attention_bias", False))
+    config_bias = model_type in CONFIG_ATTENTION_BIAS_ARCHITECTURES and bool(getattr(config, "attention_bias", False))
+    mlp_bias = model_type in CONFIG_MLP_BIAS_ARCHITECTURES and bool(getattr(config, "mlp_bias", False))
     return ModelSpec(
         architecture=model_type,
         vocab_size=int(config.vocab_size),
@@ -159,12 +165,14 @@ def _common_spec(config: Any) -> ModelSpec:
         rms_norm_eps=float(config.rms_norm_eps),
         max_position_embeddings=int(config.max_position_embeddings),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        attention_bias=bias,
+        attention_bias=SUPPORTED_ARCHITECTURES[model_type] or config_bias,
         bos_token_id=getattr(config, "bos_token_id", None),
         eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
         qk_norm=model_type in QK_NORM_ARCHITECTURES,
         no_rope_layers=_no_rope_layers(config),
         sliding_window=_sliding_window(config),
+        attention_out_bias=config_bias,
+        mlp_bias=mlp_bias,
     )
 
 

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ifb.builder.errors import SourceError
+from ifb.builder.errors import SourceError, UnsupportedModelError
+from ifb.builder.gguf_metadata import (
+    LONGROPE_TENSORS,
+    declared_biases,
+    refuse_unread_keys,
+    rope_freq_factors,
+    rope_scaling_parameters,
+)
+from ifb.builder.hf_config import CONFIG_ATTENTION_BIAS_ARCHITECTURES, CONFIG_MLP_BIAS_ARCHITECTURES
 from ifb.runtime.engine_format import ModelSpec, sha256_of_file
 
 if TYPE_CHECKING:
@@ -167,19 +175,27 @@ def gguf_config(path: Path) -> Any:
     except (ValueError, KeyError) as error:
         raise SourceError(f"cannot read GGUF metadata of {path}: {error}") from error
     architecture = reader.fields["general.architecture"].contents()
+    refuse_unread_keys(reader, architecture)
     key_length = reader.fields.get(f"{architecture}.attention.key_length")
     if key_length is not None:
         config.head_dim = int(key_length.contents())
     if architecture == "phi3":
         _phi3_rope(config, reader)
+    else:
+        _rotary_dims(config, reader, architecture)
     if getattr(config, "pad_token_id", None) is not None and not 0 <= config.pad_token_id < config.vocab_size:
         config.pad_token_id = None  # a config class's default (SmolLM3's 128004) where the file names none
     if architecture in ("gemma2", "gemma3"):
         _gemma_attention_scale(config)
-    if architecture == "gemma2":
-        _gemma2_softcaps(config, reader)
+    if architecture in ("gemma2", "gemma3"):
+        _gemma_softcaps(config, reader, architecture)
     if architecture == "gemma3":
         _gemma3_rope(config, reader)
+    else:
+        config.rope_parameters = {**config.rope_parameters, **rope_scaling_parameters(reader, architecture)}
+    config.rope_freq_factors = rope_freq_factors(reader, architecture)
+    if config.model_type in CONFIG_ATTENTION_BIAS_ARCHITECTURES:
+        config.update(declared_biases(reader, config.model_type in CONFIG_MLP_BIAS_ARCHITECTURES))
     return _with_sliding_window(config, reader, architecture)
 
 
@@ -237,26 +253,41 @@ def _gemma_attention_scale(config: Any) -> None:
         config.query_pre_attn_scalar = config.head_dim
 
 
-def _gemma2_softcaps(config: Any, reader: Any) -> None:
+def _gemma_softcaps(config: Any, reader: Any, architecture: str) -> None:
     """Gemma 2's soft-caps as the file declares them (`attn_logit_softcapping`,
     `final_logit_softcapping`); transformers' GGUF reader maps neither and leaves Gemma2Config's
-    defaults (50, 30: the released values, but not necessarily the file's). Absent: none."""
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        value = reader.fields.get(f"gemma2.{field}")
+    defaults (50, 30: the released values, but not necessarily the file's). Absent: none. Gemma 3
+    files carry the final one only where the checkpoint sets it (llama.cpp's converter)."""
+    fields = (
+        ("attn_logit_softcapping", "final_logit_softcapping")
+        if architecture == "gemma2"
+        else ("final_logit_softcapping",)
+    )
+    for field in fields:
+        value = reader.fields.get(f"{architecture}.{field}")
         setattr(config, field, float(value.contents()) if value is not None else None)
+
+
+def _rotary_dims(config: Any, reader: Any, architecture: str) -> None:
+    """Refuse a file whose `rope.dimension_count` is not its head size: partial rotary is Phi-3's
+    only (transformers' Llama-family classes rotate every dim)."""
+    dims = reader.fields.get(f"{architecture}.rope.dimension_count")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if dims is not None and int(dims.contents()) != head_dim:
+        raise UnsupportedModelError(
+            f"GGUF {architecture}.rope.dimension_count = {int(dims.contents())} (partial rotary) is not supported "
+            f"on {architecture}: its head size is {head_dim}"
+        )
 
 
 def _gemma3_rope(config: Any, reader: Any) -> None:
     """What llama.cpp's Gemma 3 graph takes that transformers' GGUF reader leaves at its defaults:
-    the global layers' linear RoPE scaling (`rope.scaling.type`/`factor`, the 4B-27B's 8x), and
-    the local layers' base where the file declares one (`rope.freq_base_swa`; llama.cpp assumes
-    10000, transformers' default too). The local/global pattern is llama.cpp's fixed one, every
-    6th layer global, which is transformers' default for the same config."""
+    the global layers' RoPE scaling (`rope.scaling.*`: the 4B-27B's linear 8x), and the local
+    layers' base where the file declares one (`rope.freq_base_swa`; llama.cpp assumes 10000,
+    transformers' default too). The local/global pattern is llama.cpp's fixed one, every 6th
+    layer global, which is transformers' default for the same config."""
     rope = {kind: dict(params) for kind, params in config.rope_parameters.items()}
-    scaling = reader.fields.get("gemma3.rope.scaling.type")
-    factor = reader.fields.get("gemma3.rope.scaling.factor")
-    if scaling is not None and scaling.contents() == "linear" and factor is not None:
-        rope["full_attention"].update(rope_type="linear", factor=float(factor.contents()))
+    rope["full_attention"].update(rope_scaling_parameters(reader, "gemma3"))
     local_base = reader.fields.get("gemma3.rope.freq_base_swa")
     if local_base is not None:
         rope["sliding_attention"]["rope_theta"] = float(local_base.contents())
@@ -275,7 +306,12 @@ def _phi3_rope(config: Any, reader: Any) -> None:
         rope["partial_rotary_factor"] = int(dims.contents()) / head_dim
     factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
     original = reader.fields.get("phi3.rope.scaling.original_context_length")
-    if {"rope_factors_short.weight", "rope_factors_long.weight"} <= set(factors) and original is not None:
+    if factors and (set(factors) != set(LONGROPE_TENSORS) or original is None):
+        raise UnsupportedModelError(
+            f"GGUF LongRoPE needs {' and '.join(LONGROPE_TENSORS)} and phi3.rope.scaling.original_context_length; "
+            f"the file has {', '.join(sorted(factors))} and original_context_length={original and original.contents()}"
+        )
+    if factors and original is not None:
         rope.update(
             rope_type="longrope",
             short_factor=[float(x) for x in factors["rope_factors_short.weight"].data],

@@ -57,6 +57,10 @@ class ModelSpec:
     # Gemma 2's soft-capping: attention scores and final logits x become cap * tanh(x / cap)
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Biases beyond q/k/v's (attention_bias): o_proj's (Llama, Qwen3, SmolLM3, Gemma with
+    # `attention_bias: true`) and the MLP's gate/up/down (Llama, SmolLM3 with `mlp_bias: true`)
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer `index` (None: every earlier key)."""

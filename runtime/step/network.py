@@ -125,7 +125,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_dim, self.kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.qkv = nn.Linear(spec.hidden_size, self.q_dim + 2 * self.kv_dim, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_dim, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_dim, spec.hidden_size, bias=spec.attention_out_bias)
         self.block_size = block_size
         self.scale = spec.attention_scale or spec.head_dim**-0.5
         # Mistral, Phi-3, Gemma 3's local layers: each query sees its last `window` keys
@@ -178,8 +178,8 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
         self.act = ACTIVATIONS[spec.hidden_act]
-        self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split([self.intermediate_size, self.intermediate_size], dim=-1)
