@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ifb.ray_serve.ingress import IfbIngress
+from ifb.ray_serve.reaper import start_reaper
 from ifb.ray_serve.replica import IfbReplica
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.runtime_config import RuntimeSettings, ServeOptions, resolve_runtime_config
@@ -30,6 +31,8 @@ INGRESS_DEPLOYMENT = "ifb-ingress"
 ROUTER_CLASS = "ifb.ray_serve.router:PrefixAffinityRouter"
 # ServeOptions lives beside the other settings (Ray-free, so the CLI can build flags from it).
 __all__ = ["ServeOptions", "build_app", "serve_engine", "shutdown", "start_ray"]
+
+_reaper: list[object] = []  # the local instance's watcher, held so it is not collected as garbage
 
 
 def build_app(engine: Path, settings: RuntimeSettings, options: ServeOptions) -> Any:
@@ -75,7 +78,9 @@ def build_app(engine: Path, settings: RuntimeSettings, options: ServeOptions) ->
 
 def start_ray(options: ServeOptions) -> None:
     """Join the cluster at ray_address, or start a local instance with enough CPUs for the
-    replicas (oversubscribing a small machine rather than leaving replicas unscheduled)."""
+    replicas (oversubscribing a small machine rather than leaving replicas unscheduled). A local
+    instance is ended with this process, however it ends (see reaper.py); a cluster joined is
+    not ours to stop."""
     import ray
 
     if ray.is_initialized():
@@ -92,6 +97,7 @@ def start_ray(options: ServeOptions) -> None:
             options.threads_per_replica,
             cpus,
         )
+    _reaper.append(start_reaper())
     ray.init(num_cpus=max(cpus, wanted), include_dashboard=False)
 
 
@@ -100,20 +106,21 @@ def serve_engine(engine: Path, settings: RuntimeSettings, options: ServeOptions,
     from ray import serve
     from ray.serve.config import HTTPOptions
 
-    start_ray(options)
-    serve.start(http_options=HTTPOptions(host=options.host, port=options.port))
-    app = build_app(engine, settings, options)
-    logger.info(
-        "deploying %d replica(s) of %s on Ray Serve, http://%s:%d",
-        options.num_replicas,
-        engine,
-        options.host,
-        options.port,
-    )
-    # ray.init replaced SIGTERM's handler with Ray's C++ one, which aborts the process 3 s on:
-    # a SIGTERM while serving must reach the caller's shutdown(), or the local Ray instance's
-    # agents outlive it.
+    # A SIGTERM at any point, start-up included, must reach the caller's shutdown(): Python's
+    # default would kill the process before it, and once ray.init has run, Ray's C++ handler
+    # aborts the process 3 s on (mid-shutdown), leaving the local instance's agents behind.
     with sigterm_exits():
+        start_ray(options)
+    with sigterm_exits():  # again: ray.init replaced the handler
+        serve.start(http_options=HTTPOptions(host=options.host, port=options.port))
+        app = build_app(engine, settings, options)
+        logger.info(
+            "deploying %d replica(s) of %s on Ray Serve, http://%s:%d",
+            options.num_replicas,
+            engine,
+            options.host,
+            options.port,
+        )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
@@ -121,5 +128,7 @@ def shutdown() -> None:
     import ray
     from ray import serve
 
+    if not ray.is_initialized():
+        return  # stopped before ray.init: serve.shutdown() would start a Ray instance to find none
     serve.shutdown()
     ray.shutdown()
