@@ -25,7 +25,14 @@ from ifb.runtime.runtime_config import RuntimeSettings, ServerSettings
 API_KEY_ENV = "IFB_API_KEY"
 SERVING_OPTION_GROUPS = {
     "Model": ("dtype", "max_model_len", "chat_template"),
-    "Limits": ("max_batch_size", "max_num_tokens", "max_queued_requests", "queue_timeout", "default_max_tokens"),
+    "Limits": (
+        "max_batch_size",
+        "max_num_tokens",
+        "max_queued_requests",
+        "queue_timeout",
+        "default_max_tokens",
+        "guided_compile_timeout",
+    ),
     "Scheduling": ("policy", "chunking", "enable_prefix_reuse", "itl_target_ms", "ttft_target_ms", "calibrate"),
     "Speculative decoding": (
         "speculative",

@@ -21,7 +21,7 @@ from typing import Any
 from ifb.runtime.admission import check_prompt, unset_max_tokens
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import AdmissionError
-from ifb.runtime.guided import GrammarCompiler
+from ifb.runtime.guided_pool import GrammarCompiler
 from ifb.runtime.reasoning import THINK_CLOSE, THINK_OPEN
 from ifb.runtime.request import Request, RequestTimes
 from ifb.runtime.runtime_config import RuntimeConfig
@@ -151,13 +151,22 @@ class Frontend:
             if self._grammars is not None:
                 self._grammars.close()
 
-    def grammar_compiler(self) -> GrammarCompiler:
-        """Created on first use, so servers without guided requests never load xgrammar."""
+    def start_grammar_compiler(self, start_gate: threading.Event | None = None) -> GrammarCompiler:
+        """Start the compile workers now, in the background, so the first guided request finds one
+        warm (the LLM does at start); a running compiler is closed first. `start_gate`, when
+        given, holds each worker start until it is set."""
         with self._grammar_lock:
-            if self._grammars is None:
-                stop = sorted(self.eos_token_ids)
-                self._grammars = GrammarCompiler(self.tokenizer, self.engine.spec.vocab_size, stop)
+            if self._grammars is not None:
+                self._grammars.close()
+            stop, budget = sorted(self.eos_token_ids), self.config.guided_compile_timeout
+            self._grammars = GrammarCompiler(self.tokenizer, self.engine.spec.vocab_size, stop, budget, start_gate)
             return self._grammars
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        with self._grammar_lock:
+            if self._grammars is not None:
+                return self._grammars
+        return self.start_grammar_compiler()
 
 
 def _call_parameters(function: Callable[..., Any]) -> frozenset[str]:

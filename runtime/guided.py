@@ -1,10 +1,9 @@
 """Guided decoding: JSON schema, any JSON, regex, EBNF grammar or a choice, with xgrammar.
 
-A constraint is compiled in a worker process (cached there per distinct text, bounded in bytes) and
-each guided request gets its own matcher; in the step loop a guided row gets its token bitmask,
-an unguided row pays nothing. Compile errors, compile timeouts and strings that are not Unicode
-(a lone surrogate) are AdmissionErrors that name the request field, raised before the request
-takes a seat. Compile workers exit with the process that started them, however it ends.
+A constraint is compiled in a worker process (guided_pool.py) and each guided request gets its
+own matcher; in the step loop a guided row gets its token bitmask, an unguided row pays nothing.
+Compile errors, compiles past their budget and strings that are not Unicode (a lone surrogate)
+are AdmissionErrors that name the request field, raised before the request takes a seat.
 
 xgrammar matches UTF-8 at the byte level and treats U+D800..U+DFFF as characters: a negated class
 (a JSON string's `[^"\\\r\n]`) accepts their 3-byte encodings ED A0..BF xx, which are not UTF-8
@@ -16,25 +15,13 @@ probe each lead and second byte), so a guided request's matcher refuses exactly 
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import re
-import threading
-import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from ifb.runtime.errors import AdmissionError
-from ifb.runtime.parent_watch import exit_with_parent
 from ifb.runtime.unicode_text import require_unicode_strings
-
-COMPILE_TIMEOUT_S = 10.0
-CACHE_LIMIT_BYTES = 256 << 20
-COMPILE_WORKERS = 2  # compile processes: bounded concurrency, each with its own cache
 
 
 class GuideKind(str, Enum):
@@ -215,7 +202,8 @@ class CompiledGuide:
         return GuidedMatcher(self.grammar, self.guard)
 
 
-def _compile_with(compiler: Any, kind: GuideKind, spec: str) -> Any:
+def compile_constraint(compiler: Any, kind: GuideKind, spec: str) -> Any:
+    """`spec` compiled by an xgrammar GrammarCompiler (in a compile worker: guided_pool.py)."""
     if kind is GuideKind.JSON_SCHEMA:
         return compiler.compile_json_schema(spec, any_whitespace=False)
     if kind is GuideKind.JSON_OBJECT:
@@ -225,111 +213,6 @@ def _compile_with(compiler: Any, kind: GuideKind, spec: str) -> Any:
     if kind is GuideKind.CHOICE:
         return compiler.compile_grammar(_choice_grammar(spec))
     return compiler.compile_grammar(spec)
-
-
-_worker_compiler: Any = None  # in a compile worker process: its own xgrammar compiler and cache
-
-
-def _init_worker(tokenizer_info_json: str, parent_pid: int) -> None:
-    global _worker_compiler
-    exit_with_parent(parent_pid)
-    import xgrammar as xgr
-
-    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
-    _worker_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
-
-
-def _compile_in_worker(kind: str, spec: str) -> str:
-    return str(_compile_with(_worker_compiler, GuideKind(kind), spec).serialize_json())
-
-
-def _ready() -> bool:
-    return True
-
-
-class GrammarCompiler:
-    """xgrammar's compiler in worker processes, with a compile-time bound and a real cancel.
-
-    A compile runs in a spawned worker and comes back serialized (a JSON schema: 85 KB, 4 ms to
-    serialize, 1 ms to load, on SmolLM2's tokenizer). A compile past its timeout is cancelled by
-    killing its worker — an xgrammar compile cannot be interrupted in a thread, and a runaway one
-    (a 9-deep oneOf schema) used to keep two threads busy for as long as it took.
-    """
-
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        import xgrammar as xgr
-
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._info_json = self._info.serialize_json()
-        self._guard = SurrogateGuard.from_vocab(self._info.decoded_vocab, vocab_size)
-        self._lock = threading.Lock()
-        self._pool = self._start_pool()
-        self.vocab_size = vocab_size
-
-    def _start_pool(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(
-            max_workers=COMPILE_WORKERS,
-            mp_context=multiprocessing.get_context("spawn"),  # no fork of a process with OpenMP threads
-            initializer=_init_worker,
-            initargs=(self._info_json, os.getpid()),
-        )
-        pool.submit(_ready)  # start the workers now, not on the first guided request
-        return pool
-
-    def _restart(self, broken: ProcessPoolExecutor) -> None:
-        """Kill `broken`'s workers (cancelling what they compile) and start fresh ones."""
-        with self._lock:
-            if self._pool is not broken:
-                return  # another caller restarted it already
-            _stop_workers(broken)
-            self._pool = self._start_pool()
-
-    def compile(self, guide: GuidedDecoding, timeout_s: float = COMPILE_TIMEOUT_S) -> tuple[CompiledGuide, float]:
-        """(the compiled constraint, seconds it took); AdmissionError naming the field on any
-        failure. Cached per distinct constraint by each worker; matchers are made by the executor."""
-        import xgrammar as xgr
-
-        start = time.perf_counter()
-        for attempt in range(2):  # a pool broken by another request's cancel is retried once
-            with self._lock:
-                pool = self._pool
-            try:
-                future = pool.submit(_compile_in_worker, guide.kind.value, guide.spec)
-                text = future.result(timeout=max(0.0, timeout_s - (time.perf_counter() - start)))
-                break
-            except FutureTimeout:
-                self._restart(pool)
-                raise AdmissionError(
-                    f"{guide.field}: the constraint did not compile within {timeout_s:g}s", field=guide.field
-                ) from None
-            except BrokenProcessPool:
-                self._restart(pool)
-                if attempt == 1:
-                    raise AdmissionError(f"{guide.field}: the constraint compiler failed", field=guide.field) from None
-            except Exception as error:  # xgrammar reports parse errors as RuntimeError/ValueError
-                message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                raise AdmissionError(
-                    f"{guide.field}: invalid {guide.kind.value}: {message}", field=guide.field
-                ) from None
-        compiled = xgr.CompiledGrammar.deserialize_json(text, self._info)
-        return CompiledGuide(compiled, self._guard), time.perf_counter() - start
-
-    def close(self) -> None:
-        """Stop the workers now, a compile in progress included (its request is going away)."""
-        with self._lock:
-            _stop_workers(self._pool)
-
-
-def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Kill `pool`'s workers and reap them. A plain shutdown would wait for a running compile
-    (a runaway one for as long as it takes), or with wait=False leave the workers to outlive an
-    interpreter that exits before they see the shutdown sentinel."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())  # None once shut down
-    for process in processes:
-        process.kill()  # ProcessPoolExecutor has no public way to stop a running task
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.join(timeout=5)
 
 
 @dataclass(frozen=True, slots=True)

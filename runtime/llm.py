@@ -55,6 +55,7 @@ class LLM(FrontendClient):
         self.executor.finish_listeners.append(lambda request: self._drain.record_finish())
         self._trace = TraceRecorder.attach(self.executor) if self.settings.trace is not None else None
         self.executor.start()
+        self.frontend.start_grammar_compiler()  # warm before the first guided request (#41)
         # A script that never calls close() used to end in SIGABRT ("terminate called without an
         # active exception", exit 134): the interpreter tore down native thread pools under the
         # running executor thread. Closing at exit stops the loop first; a weak reference, so

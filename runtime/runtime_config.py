@@ -9,6 +9,7 @@ from typing import Any
 
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import LimitExceededError
+from ifb.runtime.guided_pool import COMPILE_TIMEOUT_S
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
 from ifb.runtime.reasoning import ReasoningParserKind
 from ifb.runtime.server.tool_parsers import ToolCallParserKind
@@ -52,6 +53,12 @@ class RuntimeSettings:
     # enforce it alike; the server turns the refusal into a 429.
     queue_timeout: float | None = option(
         None, "Seconds a request may wait for its first admission before it is refused (a 429).", minimum=0
+    )
+    guided_compile_timeout: float = option(
+        COMPILE_TIMEOUT_S,
+        "Seconds a guided request's constraint may take to compile (from when a warm compile worker "
+        "takes it; waiting for one is not counted); past it the request is refused (a 400).",
+        minimum=0,
     )
     policy: CapacityPolicyKind = option(
         CapacityPolicyKind.GUARANTEED_NO_EVICT,
@@ -220,6 +227,7 @@ class RuntimeConfig:
     max_num_tokens: int
     max_queued_requests: int
     queue_timeout: float | None
+    guided_compile_timeout: float
     policy: CapacityPolicyKind
     chunking: ChunkingPolicyKind
     enable_prefix_reuse: bool

@@ -29,10 +29,10 @@ class HeldFrontend:
         compile_guide = compiler.compile
         tokenize = llm.frontend.tokenize
 
-        def held_compile(guide, timeout_s=10.0):  # type: ignore[no-untyped-def]
+        def held_compile(guide):  # type: ignore[no-untyped-def]
             self.compiling.set()
             self.release.wait(HOLD_S)
-            return compile_guide(guide, timeout_s)
+            return compile_guide(guide)
 
         def held_tokenize(prompt):  # type: ignore[no-untyped-def]
             if isinstance(prompt, str) and prompt.startswith("SLOW"):
