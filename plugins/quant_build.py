@@ -80,6 +80,11 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
+def isa_features(isa: QuantIsa) -> tuple[str, ...]:
+    """The /proc/cpuinfo flags a library compiled for `isa` needs."""
+    return _ISA_FEATURES[isa]
+
+
 def best_isa(features: frozenset[str]) -> QuantIsa:
     """The fastest path this CPU runs; refuses CPUs without the AVX2+FMA+F16C baseline."""
     for isa in (QuantIsa.AVX512_VNNI, QuantIsa.AVX512, QuantIsa.AVX2):

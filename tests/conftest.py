@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,9 +13,32 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
+from isa_report import MARKER, IsaReport  # noqa: E402
 from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint  # noqa: E402
 
 from ifb.builder.build import BuildOptions, build_engine  # noqa: E402
+
+_ISA_REPORT = IsaReport()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARKER}(isa): the test compiles and runs this kernel ISA path")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    _ISA_REPORT.record(item, report)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Which kernel ISA paths ran and which were skipped (and why): the AVX2 and AVX-512 builds
+    are compared only on a CPU that runs both."""
+    for line in _ISA_REPORT.lines():
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

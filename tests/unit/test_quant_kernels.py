@@ -165,6 +165,7 @@ torch.save([quant_ops.quant_linear(x, p, quant_ops.WeightFormat(f), n, x.shape[1
 """
 
 
+@pytest.mark.isa_path(QuantIsa.AVX2)
 def test_avx2_build_gives_the_avx512_bits(quant_library: QuantLibrary, tmp_path: Path) -> None:
     """The AVX2+FMA+F16C build compiles and, run in a fresh process, matches this build's bits."""
     if not {"avx2", "fma", "f16c"} <= cpu_features():
