@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: install run test bench lint gpu-check
+.PHONY: install run test test-under-load bench lint gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,8 +24,19 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/ifb run $(ARGS)
 
+TEST_COMMAND = $(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+
 test: $(STAMP)
-	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+	$(TEST_COMMAND)
+
+# The same tests with two busy processes beside them (a loaded machine: the suite must not depend
+# on its speed). The trap kills exactly the two it started, whether the tests pass, fail or are
+# interrupted; the tests' exit status is the target's.
+test-under-load: $(STAMP)
+	@python3 -c 'while True: pass' & one=$$!; python3 -c 'while True: pass' & two=$$!; \
+	trap 'kill $$one $$two 2>/dev/null' EXIT INT TERM; \
+	echo "two busy processes beside the tests: pids $$one $$two"; \
+	$(TEST_COMMAND)
 
 bench: $(STAMP)
 	$(PY) bench/step.py
