@@ -85,9 +85,10 @@ class WeightCompute(str, Enum):
     """How block-quantized layers multiply (`ifb build --compute`).
 
     fp32: fp32 activations times the exact dequantized weights (the engine's numbers equal the
-    fp32 engine's up to summation order). int8: activations quantized per row and 32-block to
-    int8 and integer dot products (llama.cpp's Q8_1 pairing): faster when compute bound, opt-in,
-    its quality measured in bench/quality.py.
+    fp32 engine's up to summation order). int8: the matmul quantizes its fp32 input rows per row
+    and 32-block to int8 and takes integer dot products (llama.cpp's Q8_1 pairing); what
+    `--compute auto`, the default, picks for block weights on every ISA with a kernel path (AVX2,
+    AVX-512, AVX-512 VNNI: measured faster on each); its quality cost measured in bench/quality.py.
     """
 
     FP32 = "fp32"
