@@ -90,7 +90,8 @@ class BuildOptions:
         "auto",
         "How linear weights are stored: auto keeps the source's precision (a GGUF's Q4_0/Q4_1/Q8_0 blocks, "
         "an HF checkpoint's floats); fp32 dequantizes everything; q8_0/q4_1/q4_0 quantize every linear layer "
-        "(round-to-nearest per 32-weight block). Block formats compute with fp32 activations (cpu backend only).",
+        "(round-to-nearest per 32-weight block). Block formats make an fp32 engine; --compute says how they "
+        "multiply (cpu backend only).",
         choices=WEIGHT_CHOICES,
     )
     kv_dtype: str = option(  # the KV pool's dtype; auto = dtype
