@@ -2,7 +2,8 @@
 
 Order: logit bias -> min_tokens EOS mask -> penalties -> reasoning budget's forced close -> guided
 bitmask -> temperature -> top-k / top-p / min-p -> sample. Seeded rows draw their noise from their
-own generator, so a seeded request samples the same tokens whatever else shares its batch.
+own generator, so from the same logits a seeded request samples the same tokens whatever else shares
+its batch (its logits are batch-invariant on block-quantized engines only; README).
 """
 
 from __future__ import annotations
