@@ -8,8 +8,10 @@
 
 Only this thread touches the scheduler, the KV manager and the requests. Each request's state
 is one LiveRequest (live_request.py) in `_live`, created when it arrives (`_apply`) and dropped
-with its final delta (`_deliver`), the one place a request leaves the executor. An
-exception inside a step fails that step's requests (finish reason `error`) and the loop goes on.
+with its final delta (`_deliver`), the one place a request leaves the executor. A request
+whose own part of a step raises (its setup, guided mask, sample, text or stop strings) ends
+with finish reason `error` alone; an exception in the step's shared part (the engine, the
+scheduler's update) fails that step's requests. Either way the loop goes on.
 
 The engine is created on this thread too: once another thread has run OpenMP work, libgomp
 has two thread teams on two cores and throttles its spin-waits, which made every compiled step
@@ -25,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -199,20 +201,29 @@ class Executor:
 
     def _apply(self, item: _Add | _Abort | _Refused) -> None:
         if isinstance(item, _Add):
-            request = item.request
-            sampling = SamplingState.create(request.params.seed, item.compiled_grammar)
-            self._live[request.request_id] = LiveRequest(
-                request, sampling, self.outputs.detokenizer(request), item.sink
-            )
-            self.scheduler.add(request)
-            if item.compiled_grammar is not None:
-                self._count_guided(item.grammar_compile_s)
+            self._add(item)
         elif isinstance(item, _Abort):
             live = self._live.get(item.request_id)
             if live is not None and self.scheduler.abort(live.request):
                 self._deliver(live, self.outputs.final_output(live))
         else:
             self.scheduler.stats.refused += 1
+
+    def _add(self, item: _Add) -> None:
+        request = item.request
+        self.scheduler.add(request)
+        if item.compiled_grammar is not None:
+            self._count_guided(item.grammar_compile_s)
+        try:
+            sampling = SamplingState.create(request.params.seed, item.compiled_grammar)
+            detokenizer = self.outputs.detokenizer(request)
+        except Exception as error:  # this request's grammar or tokenizer: it fails alone
+            logger.exception("setting up %s failed", request.request_id)
+            self.scheduler.finish(request, FinishReason.ERROR, error=f"setting up the request failed: {_named(error)}")
+            self._announce_finish(request)
+            _send(item.sink, self.outputs.failed_output(request))
+            return
+        self._live[request.request_id] = LiveRequest(request, sampling, detokenizer, item.sink)
 
     def _expire_waiting(self) -> None:
         timeout = self.queue_timeout_s
@@ -229,23 +240,30 @@ class Executor:
         )
 
     def _step(self, batch: ScheduledBatch) -> None:
+        """One step. A fault of one request's own part (its sample, guided mask, text, stop
+        strings) ends that request alone; a fault of the step's shared part (the engine, the
+        scheduler's update) fails the step's requests. The loop goes on either way."""
         start = time.perf_counter()
+        try:
+            self._run_step(batch, start)
+        except Exception as error:
+            logger.exception("step failed; failing its %d requests", len(batch.requests))
+            for item in batch.requests:
+                if item.request_id in self._live:  # not delivered yet
+                    self._end(item.request, FinishReason.ERROR, f"the step failed: {_named(error)}")
+            self._publish()
+
+    def _run_step(self, batch: ScheduledBatch, start: float) -> None:
         batch = cut_drafts_by_grammar(batch, self._live)
-        requests = [item.request for item in batch.requests]
         sampling = [(self._live[item.request_id], item) for item in batch.requests if item.sample]
         rows = [
             SamplingRow(live.request, live.sampling, item.draft_token_ids[:position])
             for live, item in sampling
             for position in range(item.num_sample_rows)
         ]
-        try:
-            logits, bitmask = self._run_engine(batch, rows)
-        except Exception as error:
-            logger.exception("engine step failed; failing its %d requests", len(requests))
-            for request in requests:
-                self._end(request, FinishReason.ERROR, f"engine step failed: {error}")
-            self._publish()
-            return
+        logits, bitmask, failed = self._run_engine(batch, rows)
+        for request_id, error in failed.items():  # like an abort during the step: its rows are not read
+            self._end(self._live[request_id].request, FinishReason.ERROR, error)
         rewinds = seeded_rewinds(sampling, logits.shape[1])
         samples = self._sample(logits, rows, bitmask) if rows else []
         self._take_inbox(block=False)  # aborts that arrived during the step, before the update
@@ -271,7 +289,10 @@ class Executor:
         self.scheduler.observe_step(batch, (time.perf_counter() - start) * 1e3)  # if it was predicted
         self._record(batch, start, verified)
 
-    def _run_engine(self, batch: ScheduledBatch, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_engine(
+        self, batch: ScheduledBatch, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, str]]:
+        """The step's logits, its guided mask, and the requests whose mask failed (id: why)."""
         for listener in self.step_started_listeners:
             listener(batch)
         self._step_started = time.monotonic()
@@ -291,10 +312,32 @@ class Executor:
             ]
             # Masks are filled before the step, not beside it: the step releases the GIL, but it
             # uses both cores, so a mask thread would only take a core from it.
-            bitmask = fill_bitmask(guided, len(rows), engine.config.spec.vocab_size) if guided else None
-            return engine.step(inputs), bitmask
+            bitmask, failed = (
+                self._guided_bitmask(guided, rows, engine.config.spec.vocab_size) if guided else (None, {})
+            )
+            return engine.step(inputs), bitmask, failed
         finally:
             self._step_started = None
+
+    def _guided_bitmask(
+        self, guided: list[GuidedRow], rows: list[SamplingRow], vocab_size: int
+    ) -> tuple[torch.Tensor, dict[str, str]]:
+        """The guided rows' mask. If a matcher raises, the rows are filled one by one, so a
+        request whose grammar fails takes only itself down (its row left open, never read)."""
+        try:
+            return fill_bitmask(guided, len(rows), vocab_size), {}
+        except Exception:
+            logger.exception("filling the guided mask failed; filling its %d rows one by one", len(guided))
+        bitmask = fill_bitmask([], len(rows), vocab_size)  # every token allowed
+        failed: dict[str, str] = {}
+        for row in guided:
+            request_id = rows[row.row].request.request_id
+            try:
+                if request_id not in failed:
+                    bitmask[row.row] = fill_bitmask([replace(row, row=0)], 1, vocab_size)[0]
+            except Exception as error:
+                failed[request_id] = f"the guided-decoding mask failed: {_named(error)}"
+        return bitmask, failed
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None) -> list[RowSample]:
         """One token per row. If the batch cannot be sampled, each row is sampled alone, so a row
@@ -325,12 +368,12 @@ class Executor:
     def _deliver(self, live: LiveRequest, output: RequestOutput) -> None:
         if output.finished:  # the one place a request's state is dropped
             del self._live[live.request_id]
-            for listener in self.finish_listeners:
-                listener(live.request)
-        try:
-            live.sink(output)
-        except Exception:  # a broken consumer must not take the loop down
-            logger.exception("output sink of %s failed", live.request_id)
+            self._announce_finish(live.request)
+        _send(live.sink, output)
+
+    def _announce_finish(self, request: Request) -> None:
+        for listener in self.finish_listeners:
+            listener(request)
 
     def _publish(self) -> None:
         """Replace the snapshot whole: readers on other threads see one consistent value."""
@@ -391,3 +434,14 @@ class Executor:
         error = "server shutting down" if reason is FinishReason.ABORT else f"the step loop died: {self._fatal_error}"
         for live in list(self._live.values()):
             self._end(live.request, reason, error)
+
+
+def _send(sink: Sink, output: RequestOutput) -> None:
+    try:
+        sink(output)
+    except Exception:  # a broken consumer must not take the loop down
+        logger.exception("output sink of %s failed", output.request_id)
+
+
+def _named(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

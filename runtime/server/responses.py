@@ -56,7 +56,10 @@ class ResponseShape:
 
     def error_event(self, output: RequestOutput) -> str:
         """A request that failed mid-stream: its client gets this event, not a silent stop."""
-        error = wire.ErrorInfo(message=output.error or "request failed", type="server_error", code="request_failed")
+        return self.failure_event(output.error or "request failed")
+
+    def failure_event(self, message: str) -> str:
+        error = wire.ErrorInfo(message=message, type="server_error", code="request_failed")
         return sse(wire.ErrorBody(error=error), exclude_unset=True)  # no `param` key
 
     def stream_for(self, choice: Choice) -> ChoiceStream:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import replace
@@ -31,6 +32,7 @@ from ifb.runtime.server.tool_parsers import ToolCallParser
 from ifb.runtime.server.tools import ToolPlan
 
 OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
+logger = logging.getLogger(__name__)
 
 
 class Routes:
@@ -130,7 +132,12 @@ class Routes:
         error = first_error(results)
         if error is not None:  # a choice failed inside the engine: not a 200
             return error_response(500, error, code="request_failed")
-        return JSONResponse(shape.final_body(choices, results).model_dump())
+        try:
+            return JSONResponse(shape.final_body(choices, results).model_dump())
+        except Exception as failure:  # a tool-call or reasoning parser raised: this response fails
+            logger.exception("shaping response %s failed", response_id)
+            message = f"shaping the reply failed: {type(failure).__name__}: {failure}"
+            return error_response(500, message, code="request_failed")
 
     def _shows_special_tokens(self, body: OpenAIRequest, tools: ToolPlan) -> bool:
         """A reply the tool-call parser reads for `auto` calls keeps its family's special-token

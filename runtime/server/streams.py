@@ -5,6 +5,7 @@ Closing any of these closes the engine streams under it, which aborts unfinished
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from ifb.runtime.errors import QueueFullError
@@ -13,6 +14,7 @@ from ifb.runtime.request import FinishReason
 from ifb.runtime.server.responses import Choice, ResponseShape, usage
 
 Stream = AsyncIterator[RequestOutput]
+logger = logging.getLogger(__name__)
 
 
 async def refuse_queue_timeouts(stream: Stream) -> Stream:
@@ -62,10 +64,12 @@ async def sse_events(
     first: list[RequestOutput | None],
     include_usage: bool,
 ) -> AsyncIterator[str]:
+    """The response's events. If shaping the reply fails (a tool-call or reasoning parser
+    raises), its client gets an error event and [DONE]; its requests are aborted in the engine."""
     collected: list[list[RequestOutput]] = [[] for _ in choices]
-    per_choice = [shape.stream_for(choice) for choice in choices]
     merged, tasks = merge(streams, first)
     try:
+        per_choice = [shape.stream_for(choice) for choice in choices]
         if shape.chat:
             for choice in choices:
                 yield shape.role_chunk(choice.index)
@@ -77,6 +81,10 @@ async def sse_events(
                 yield shape.error_event(output)
         if include_usage:
             yield shape.chunk([], usage=usage(choices, collected))
+        yield "data: [DONE]\n\n"
+    except Exception as error:  # never a cut connection: the client is told, the server goes on
+        logger.exception("streaming response %s failed", shape.response_id)
+        yield shape.failure_event(f"shaping the reply failed: {type(error).__name__}: {error}")
         yield "data: [DONE]\n\n"
     finally:  # client gone or done: stop the pumps, which aborts unfinished requests
         await merged.aclose()
