@@ -112,12 +112,13 @@ def load_metadata(source: ModelSource) -> SourceMetadata:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoTokenizer
 
+    from ifb.builder.gguf_tokenizer import load_gguf_tokenizer
     from ifb.builder.hf_config import model_spec_from_hf_config
 
     if source.kind is SourceKind.GGUF:
         config = gguf_config(source.path)
         model_spec_from_hf_config(config)  # refuse unsupported architectures before the tokenizer
-        tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        tokenizer = load_gguf_tokenizer(source.path)  # the file's own vocabulary (transformers': minutes)
         return SourceMetadata(source, config, tokenizer)
     config = AutoConfig.from_pretrained(source.path)
     model_spec_from_hf_config(config)
