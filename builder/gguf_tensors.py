@@ -49,10 +49,14 @@ _SANDWICH_NORMS = {**_LAYER_NORMS, "attn_out_norm": "post_attention_norm", "mlp_
 # multiplies by; our network adds the 1 itself (ModelSpec.norm_weight_offset), so it is taken off
 NORM_SHIFTED_ARCHITECTURES = ("gemma2", "gemma3")
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
-# llama.cpp's activation block types (no weight of a released file is stored so, but nothing stops
-# a file): bytes per block, and where each block's scale and int8 values sit; dequantized here,
-# since gguf-py has no dequantizer for them
-_Q8_ACTIVATION_TYPES = {"Q8_1": (36, np.float16, 4), "Q8_K": (292, np.float32, 4)}
+# llama.cpp's activation block type Q8_K (no weight of a released file is stored so, but nothing
+# stops a file): bytes per block, its scale's type and where its int8 values start; dequantized
+# here, since gguf-py has no dequantizer for it
+_Q8_ACTIVATION_TYPES = {"Q8_K": (292, np.float32, 4)}
+# Types refused although something could read them, and why
+_REFUSED_TYPES = {
+    "Q8_1": "gguf-py sizes its blocks as 40 bytes where ggml writes 36, so its bytes cannot be trusted",
+}
 # Tensors the config reads (sources.gguf_config: RoPE factors), by the architectures that read them
 _CONFIG_TENSORS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(ROPE_FREQS_ARCHITECTURES, (ROPE_FREQS_TENSOR,)),
@@ -228,6 +232,8 @@ def readable_type(type_name: str) -> bool:
     """Whether a GGUF tensor type can be read as floats here: kept as blocks, dense, or dequantized."""
     import gguf
 
+    if type_name in _REFUSED_TYPES:
+        return False
     if type_name in GGUF_TYPE_NAMES or type_name in _DENSE_TYPES or type_name in _Q8_ACTIVATION_TYPES:
         return True
     quant = getattr(gguf.quants, type_name, None)  # gguf-py's dequantizer class of that type, if any
@@ -244,18 +250,20 @@ def _refuse_unreadable_types(path: Path, infos: list[TensorInfo]) -> None:
     if unreadable:
         raise SourceError(
             f"{path} has tensors of GGUF types with no kernel and no dequantizer here: "
-            + "; ".join(f"{kind}: {', '.join(names[:4])}" for kind, names in unreadable.items())
+            + "; ".join(
+                f"{kind}: {', '.join(names[:4])}" + (f" ({_REFUSED_TYPES[kind]})" if kind in _REFUSED_TYPES else "")
+                for kind, names in unreadable.items()
+            )
         )
 
 
 def _dequantize_q8(data: np.ndarray, type_name: str) -> np.ndarray:
-    """Q8_1 (fp16 scale, fp16 sum, 32 int8) and Q8_K (fp32 scale, 256 int8, 16 int16 sums): each
-    weight is scale x int8; the sums are the activation kernels' and unused here."""
+    """Q8_K (fp32 scale, 256 int8, 16 int16 sums): each weight is scale x int8; the sums are the
+    activation kernels' and unused here."""
     block_bytes, scale_type, values_at = _Q8_ACTIVATION_TYPES[type_name]
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
     scale = blocks[:, : np.dtype(scale_type).itemsize].view(scale_type).astype(np.float32)
-    weights_per_block = 32 if type_name == "Q8_1" else 256
-    values = blocks[:, values_at : values_at + weights_per_block].view(np.int8).astype(np.float32)
+    values = blocks[:, values_at : values_at + 256].view(np.int8).astype(np.float32)
     return (scale * values).reshape(*data.shape[:-1], -1)
 
 

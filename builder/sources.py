@@ -188,7 +188,6 @@ def gguf_config(path: Path) -> Any:
         config.pad_token_id = None  # a config class's default (SmolLM3's 128004) where the file names none
     if architecture in ("gemma2", "gemma3"):
         _gemma_attention_scale(config)
-    if architecture in ("gemma2", "gemma3"):
         _gemma_softcaps(config, reader, architecture)
     if architecture == "gemma3":
         _gemma3_rope(config, reader)

@@ -54,6 +54,9 @@ class WeightPlan:
     formats: dict[str, WeightFormat]
     dequantized: tuple[TensorInfo, ...]  # block-quantized in the file, no kernel: stored dense
     quantized_from: str | None  # the --weights format every linear was quantized to, if any
+    # 16-bit float tensors the engine stores in its dtype (fp32 beside block weights: no kernel
+    # multiplies an F16/BF16 matrix, and norms and biases are added in the activations' dtype)
+    sixteen_bit: tuple[TensorInfo, ...] = ()
 
     @property
     def has_blocks(self) -> bool:
@@ -77,7 +80,8 @@ def plan_weights(source: TensorSource, weights: str) -> WeightPlan:
     embed = source.info(source.dense["embed.weight"][0]).block_format
     if embed is not None:
         formats[EMBED_KEY] = embed
-    return WeightPlan(formats, _non_dense(source, lambda info: info.block_format is None), None)
+    sixteen_bit = tuple(info for info in _source_infos(source) if info.type_name in ("F16", "BF16"))
+    return WeightPlan(formats, _non_dense(source, lambda info: info.block_format is None), None, sixteen_bit)
 
 
 def _quantize_plan(source: TensorSource, fmt: WeightFormat) -> WeightPlan:
@@ -100,13 +104,29 @@ def _quantize_plan(source: TensorSource, fmt: WeightFormat) -> WeightPlan:
 
 def _non_dense(source: TensorSource, keep: Callable[[TensorInfo], bool]) -> tuple[TensorInfo, ...]:
     """The distinct source tensors that are neither dense nor kept (so dequantized), in file order."""
+    return tuple(info for info in _source_infos(source) if not info.is_dense and keep(info))
+
+
+def _source_infos(source: TensorSource) -> list[TensorInfo]:
+    """Every distinct source tensor the network takes, in the order its modules name them."""
     names = dict.fromkeys(name for names in (*source.linears.values(), *source.dense.values()) for name in names)
-    infos = (source.info(name) for name in names)
-    return tuple(info for info in infos if not info.is_dense and keep(info))
+    return [source.info(name) for name in names]
 
 
 def warn_dequantized(plan: WeightPlan, dtype_bytes: int) -> None:
-    """One warning for every block tensor stored dense, with what it costs."""
+    """One warning for every block tensor stored dense, and one for the 16-bit tensors of a
+    block-quantized file widened to the engine's dtype, each with what it costs."""
+    if plan.has_blocks and dtype_bytes > 2 and plan.sixteen_bit:
+        widened = plan.sixteen_bit
+        logger.warning(
+            "%d F16/BF16 GGUF tensor(s) are widened to %d-byte floats beside the block weights (no kernel reads "
+            "16-bit matrices): %.2f MB in the file -> %.2f MB in the engine: %s",
+            len(widened),
+            dtype_bytes,
+            sum(info.file_bytes for info in widened) / 1e6,
+            sum(info.rows * info.cols * dtype_bytes for info in widened) / 1e6,
+            ", ".join(f"{info.name} ({info.type_name}, {info.rows}x{info.cols})" for info in widened),
+        )
     if not plan.dequantized:
         return
     file_bytes = sum(info.file_bytes for info in plan.dequantized)
