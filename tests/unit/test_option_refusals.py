@@ -3,6 +3,7 @@ time-to-first-token target without an inter-token target, `--dtype float16` on t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,15 @@ def test_build_refuses_float16_on_the_cpu_backend_in_one_line(tmp_path: Path) ->
         "float32 (fp32)"
     ]
     assert not (tmp_path / "engine").exists()
+
+
+def test_run_refuses_the_pair_in_one_line_before_loading_anything(tmp_path: Path) -> None:
+    """`ifb run` names both flags and exits 1: the folder holds nothing but engine.json, so the
+    settings were refused against the engine's record before any engine file was read."""
+    (tmp_path / "engine.json").write_text(json.dumps(CALIBRATED.to_json()))
+    args = ["run", str(tmp_path), "--itl-target-ms", "0", "--ttft-target-ms", "500", "--prompt", "hi"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and "--ttft-target-ms (ttft_target_ms) 500" in error[0], result.output
+    assert "--itl-target-ms (itl_target_ms) 0" in error[0]
