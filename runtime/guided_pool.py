@@ -151,9 +151,12 @@ class WorkerPool:
             and len(self._idle) + self._num_starting < wanted
             and self._num_workers < self._max_workers
         ):
-            self._num_workers += 1
-            self._num_starting += 1
-            threading.Thread(target=self._start_worker, name="ifb-grammar-start", daemon=True).start()
+            self._start_one()
+
+    def _start_one(self) -> None:
+        self._num_workers += 1
+        self._num_starting += 1
+        threading.Thread(target=self._start_worker, name="ifb-grammar-start", daemon=True).start()
 
     def _start_worker(self) -> None:
         failure: str | None = None
@@ -200,7 +203,7 @@ class WorkerPool:
                     if self._closed:
                         raise EngineUnavailableError("the grammar compiler is closed")
                     self._keep_spare()
-                    if self._failure is not None and not self._num_starting and not self._idle:
+                    if self._failure is not None and not self._num_workers:  # none up, none starting
                         raise AdmissionError(f"{field}: no grammar compile worker could start: {self._failure}", field)
                     self._cond.wait()
                 worker = self._idle.pop()
@@ -224,7 +227,8 @@ class WorkerPool:
         with self._cond:
             self._live.discard(worker)
             self._num_workers -= 1
-            self._keep_spare()
+            if not self._closed and self._failure is None:
+                self._start_one()
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import jsonschema
+import psutil
 import pytest
-from server_harness import running_server
+from server_harness import WORKER_START_S, running_server, warm_compile_worker
+from waiting import StepGate, wait_until
 
 from ifb import LLM, SamplingParams
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
+from ifb.runtime.outputs import CompletionOutput
 from ifb.runtime.request import FinishReason
 
 SCHEMA = {
@@ -71,14 +80,15 @@ def test_guided_and_plain_requests_share_one_batch(llm: LLM) -> None:
     """Four guided + four plain requests are resident together; plain outputs equal alone."""
     plain = [([10 + i, 11], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for i in range(4)]
     alone = [llm.generate([p], s)[0].token_ids for p, s in plain]
-    sizes: list[int] = []
-    llm.executor.step_listeners.append(lambda step: sizes.append(step.num_requests))
     guided = [
         ([5, 6], SamplingParams(max_tokens=40, temperature=0.7, seed=i, guided=g)) for i, g in enumerate(guides())
     ]
-    outputs = llm.generate([p for p, _ in guided + plain], [s for _, s in guided + plain])
-    llm.executor.step_listeners.clear()
-    assert max(sizes) == 8
+    with StepGate(llm.executor) as gate:
+        # no step until all eight are in: a choice ends in a few steps, which on a fast machine
+        # could come before the last request's compile and tokenization did
+        gate.allow = lambda batch: len(gate.submitted) == 8
+        outputs = llm.generate([p for p, _ in guided + plain], [s for _, s in guided + plain])
+    assert max(gate.batch_sizes) == 8
     assert [o.token_ids for o in outputs[4:]] == alone
     for guide, output in zip(guides(), outputs[:4], strict=True):
         if output.finish_reason is FinishReason.STOP:
@@ -93,7 +103,9 @@ def test_guided_output_survives_preemption(tiny_llama_engine: Path) -> None:
             for s in range(8)
         ]
         filler = [SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)] * 4
-        outputs = small.generate([[5] * 30] * 8 + [[9] * 30] * 4, params + filler)
+        with StepGate(small.executor) as gate:
+            gate.allow = lambda batch: len(gate.submitted) == 12  # all contend from the first step on
+            outputs = small.generate([[5] * 30] * 8 + [[9] * 30] * 4, params + filler)
         assert small.stats().counters.preempted > 0
     for output in outputs[:8]:
         assert output.finish_reason is FinishReason.STOP
@@ -118,6 +130,7 @@ def test_invalid_constraints_are_refused_before_taking_a_seat(llm: LLM, guide: G
 
 def test_http_response_format_and_guided_fields(tiny_llama_engine: Path) -> None:
     with LLM(tiny_llama_engine) as instance, running_server(instance) as base:
+        warm_compile_worker(instance)  # the client timeouts below are for the requests, not the start
         body = {
             "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 60,
@@ -150,19 +163,38 @@ def test_a_finished_constraint_outranks_min_tokens(llm: LLM) -> None:
     assert out.finish_reason is FinishReason.STOP and out.text == "yes" and out.error is None
 
 
-def test_a_compile_past_its_timeout_is_cancelled(llm: LLM) -> None:
-    """The timed-out compile's worker process is killed (the compile stops) and later compiles
-    run on fresh workers."""
-    compiler = llm.frontend.grammar_compiler()
-    compiler.compile(GuidedDecoding.choice(["warm"]))  # workers up
-    workers = list(compiler._pool._processes.values())  # type: ignore[attr-defined]
-    with pytest.raises(AdmissionError, match="did not compile within"):
-        compiler.compile(GuidedDecoding.regex("[a-z]{1,40}@[a-z]{1,30}"), timeout_s=0.0)
-    for worker in workers:
-        worker.join(5)
-        assert not worker.is_alive()
-    compiled, _ = compiler.compile(GuidedDecoding.choice(["again"]))
-    assert compiled is not None
+def runaway_schema(depth: int = 10) -> GuidedDecoding:
+    """A schema whose compile takes minutes: each level of nested oneOf multiplies the time by
+    about 4 (depth 7: 1.2 s, so depth 10: some 80 s, on the 2-core dev machine)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        branches = [{"type": "object", "properties": {"a": schema, "b": schema}}, {"type": "array", "items": schema}]
+        schema = {"oneOf": branches}
+    return GuidedDecoding.json_schema(schema)
+
+
+def test_a_compile_past_its_budget_is_refused_and_only_its_worker_killed(tiny_llama_engine: Path) -> None:
+    """A budget set through the LLM's option (guided_compile_timeout): a schema that compiles in
+    milliseconds is served (its wait for the first worker's start is not part of the budget); a
+    runaway one is refused naming the budget, its worker killed (the compile stops) and replaced
+    in the background, the other worker left as it was, and later requests are served."""
+    budget_s = 2.0
+    with LLM(tiny_llama_engine, guided_compile_timeout=budget_s) as small:
+        params = SamplingParams(max_tokens=60, temperature=0.8, seed=0, guided=GuidedDecoding.json_schema(SCHEMA))
+        (served,) = small.generate([[5, 6]], params)
+        jsonschema.validate(json.loads(served.text), SCHEMA)
+        pool = small.frontend.grammar_compiler().pool
+        wait_until(lambda: pool.num_ready == 2, WORKER_START_S, "a second warm compile worker")
+        before = set(pool.worker_pids())
+        with pytest.raises(AdmissionError, match=f"did not compile within {budget_s:g}s") as error:
+            small.generate([[5]], SamplingParams(max_tokens=5, guided=runaway_schema()))
+        assert error.value.field == "guided_json"
+        after = set(pool.worker_pids())
+        (killed,) = before - after
+        assert not psutil.pid_exists(killed) and len(before & after) == 1
+        wait_until(lambda: pool.num_ready == 2, WORKER_START_S, "the killed worker's replacement to start")
+        (again,) = small.generate([[5, 6]], SamplingParams(max_tokens=30, guided=GuidedDecoding.choice(CHOICES)))
+        assert again.text in CHOICES
 
 
 def test_characters_past_the_bmp_are_generated_as_utf8(llm: LLM) -> None:
@@ -178,3 +210,61 @@ def test_characters_past_the_bmp_are_generated_as_utf8(llm: LLM) -> None:
         out = llm.generate([[5, 6]], SamplingParams(max_tokens=12, seed=0, guided=guide))[0]
         assert out.finish_reason is not FinishReason.ERROR, (guide, out.text)
         assert out.text.startswith(text), (guide, out.text)
+
+
+@contextmanager
+def busy_machine(num_processes: int = 2) -> Iterator[None]:
+    """Processes that keep `num_processes` cores busy for as long as the block runs."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(num_processes)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def test_a_cold_pool_on_a_loaded_machine_serves_a_json_schema_request(tiny_llama_engine: Path) -> None:
+    """The first guided request of an LLM whose compile worker is still starting, on a machine
+    kept busy: it waits for the worker and is served. Its 10 s budget used to start before the
+    worker existed, and spawning one that imports xgrammar (about 4 s of CPU) on a busy 2-core
+    machine took it all: the request was refused (issue #41)."""
+    with busy_machine(), LLM(tiny_llama_engine) as cold:
+        assert cold.frontend.grammar_compiler().pool.num_ready == 0  # still importing xgrammar
+        params = SamplingParams(max_tokens=60, temperature=0.8, seed=3, guided=GuidedDecoding.json_schema(SCHEMA))
+        (output,) = cold.generate([[5, 6]], params)
+    assert output.finish_reason is FinishReason.STOP, output.text
+    jsonschema.validate(json.loads(output.text), SCHEMA)
+
+
+def test_a_guided_request_waits_while_the_worker_start_is_held(tiny_llama_engine: Path) -> None:
+    """With every compile worker's start held (the pool's start gate), a guided request waits,
+    not admitted and not refused, for longer than its whole compile budget; once the start is
+    let go it is compiled and served."""
+    budget_s = 2.0
+    gate = threading.Event()
+    outcome: list[object] = []
+    with LLM(tiny_llama_engine, guided_compile_timeout=budget_s) as held:
+        pool = held.frontend.start_grammar_compiler(start_gate=gate).pool
+        submitted = held.stats().counters.submitted
+        params = SamplingParams(max_tokens=30, temperature=0.8, seed=5, guided=GuidedDecoding.choice(CHOICES))
+
+        def request() -> None:
+            try:
+                outcome.extend(held.generate([[5, 6]], params))
+            except Exception as error:
+                outcome.append(error)
+
+        caller = threading.Thread(target=request, daemon=True)
+        caller.start()
+        wait_until(lambda: pool.num_waiting == 1, 60, "the request to wait for a compile worker")
+        waiting_since = time.monotonic()
+        # not a synchronisation: the claim is about time, that waiting past the budget is allowed
+        wait_until(lambda: time.monotonic() - waiting_since > 1.5 * budget_s, 60, "the wait to pass the budget")
+        assert caller.is_alive() and outcome == [] and pool.num_waiting == 1 and pool.num_ready == 0
+        assert held.stats().counters.submitted == submitted
+        gate.set()
+        caller.join(WORKER_START_S)
+    (output,) = outcome
+    assert isinstance(output, CompletionOutput) and output.finish_reason is FinishReason.STOP, output
+    assert output.text in CHOICES
