@@ -15,6 +15,16 @@ from waiting import wait_until
 from ifb.runtime.llm import LLM
 from ifb.runtime.server import create_app
 
+WORKER_START_S = 300  # upper bound for a grammar compile worker's start (importing xgrammar) on a loaded machine
+
+
+def warm_compile_worker(llm: LLM) -> None:
+    """Wait until the LLM's first grammar compile worker is up. It starts with the LLM, and a
+    guided request before then waits for it (tens of seconds on a busy 2-core machine), so a
+    test whose client timeouts are about its requests waits for this first."""
+    pool = llm.frontend.grammar_compiler().pool
+    wait_until(lambda: pool.num_ready, WORKER_START_S, "a warm grammar compile worker")
+
 
 def free_port() -> int:
     with socket.socket() as sock:

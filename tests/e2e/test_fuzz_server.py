@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from server_harness import warm_compile_worker
 from waiting import wait_until
 
 from ifb import LLM
@@ -24,6 +25,7 @@ EXAMPLES = int(os.environ.get("IFB_FUZZ_EXAMPLES", "400"))  # per operation: ~1,
 @pytest.fixture(scope="module")
 def fuzzed_llm(tiny_llama_engine: Path) -> Iterator[LLM]:
     llm = LLM(tiny_llama_engine, max_batch_size=4, max_queued_requests=4, default_max_tokens=16)
+    warm_compile_worker(llm)  # a guided case's 30 s client timeout is for it, not the worker's start
     yield llm
     llm.close()
 

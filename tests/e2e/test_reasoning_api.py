@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_harness import running_server
+from server_harness import running_server, warm_compile_worker
 from tiny_models import CHAT_TEMPLATE
 
 from ifb import LLM
@@ -41,6 +41,7 @@ def llm(tiny_llama_engine: Path) -> Iterator[LLM]:
 @pytest.fixture(scope="module")
 def qwen3(llm: LLM) -> Iterator[str]:
     with running_server(llm, reasoning_parser=ReasoningParserKind.QWEN3, served_model_names=("tiny",)) as base:
+        warm_compile_worker(llm)  # the guided requests' client timeouts are for them, not the start
         yield base
 
 
