@@ -25,7 +25,7 @@ from gguf_vocab import (
     write_tokenizer_gguf,
 )
 
-from ifb.builder import gguf_tokenizer
+from ifb.builder import bpe_merges, gguf_tokenizer
 from ifb.builder.errors import SourceError
 from ifb.builder.gguf_tokenizer import load_gguf_tokenizer, read_gguf_vocabulary
 
@@ -261,21 +261,21 @@ def merges_case() -> tuple[list[str], list[float]]:
     return tokens, scores
 
 
-@pytest.mark.parametrize("hash_base", [gguf_tokenizer._HASH_BASE, 1])
+@pytest.mark.parametrize("hash_base", [bpe_merges._HASH_BASE, 1])
 def test_derived_merges_equal_transformers_generate_merges(monkeypatch: pytest.MonkeyPatch, hash_base: int) -> None:
     """SentencePiece merges from scores, and byte-level ones from ids, in generate_merges' exact order; a
     hash base of 1 (every anagram collides) sends the work to the exact walk with the same result."""
     from transformers.tokenization_utils_base import generate_merges
 
-    monkeypatch.setattr(gguf_tokenizer, "_HASH_BASE", hash_base)
+    monkeypatch.setattr(bpe_merges, "_HASH_BASE", hash_base)
     trained = sentencepiece_vocab()
     for tokens, scores in (merges_case(), (trained.tokens, trained.scores)):
         vocab = {token: index for index, token in enumerate(tokens)}
         last_id = np.fromiter(vocab.values(), dtype=np.int64)
         expected = generate_merges(vocab, dict(zip(tokens, scores, strict=True)))
-        derived = gguf_tokenizer._derived_merges(tokens, vocab, np.asarray(scores)[last_id])
+        derived = bpe_merges.derived_merges(tokens, vocab, np.asarray(scores)[last_id])
         assert derived == expected and len(expected) > 10
-        assert gguf_tokenizer._derived_merges(tokens, vocab, None) == generate_merges(vocab)
+        assert bpe_merges.derived_merges(tokens, vocab, None) == generate_merges(vocab)
 
 
 def test_nul_in_vocabulary_is_split_exactly() -> None:
@@ -283,7 +283,7 @@ def test_nul_in_vocabulary_is_split_exactly() -> None:
 
     tokens = ["a", "\x00", "a\x00", "\x00a", "a\x00a", "b", "ab", "a\x00b"]
     vocab = {token: index for index, token in enumerate(tokens)}
-    assert gguf_tokenizer._derived_merges(tokens, vocab, None) == generate_merges(vocab)
+    assert bpe_merges.derived_merges(tokens, vocab, None) == generate_merges(vocab)
 
 
 @pytest.mark.parametrize(
