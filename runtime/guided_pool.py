@@ -15,8 +15,10 @@ Workers exit with the process that started them, however it ends.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -42,10 +44,13 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _serve_compiles(conn: Connection, tokenizer_info_json: str, parent_pid: int) -> None:
-    """A compile worker's whole life: load xgrammar, say ready, then compile what comes."""
+def serve_compiles(fd: int, parent_pid: int) -> None:
+    """A compile worker's whole life (its own interpreter, on one end of a socket pair): read the
+    vocabulary, load xgrammar, say ready, then compile what comes."""
     exit_with_parent(parent_pid)
+    conn = Connection(fd)
     try:
+        tokenizer_info_json = conn.recv()
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
@@ -68,23 +73,35 @@ def _serve_compiles(conn: Connection, tokenizer_info_json: str, parent_pid: int)
 
 
 class _Worker:
-    """One compile process and the parent's end of its pipe."""
+    """One compile process and the parent's end of its socket.
+
+    A fresh interpreter that imports this module, not a multiprocessing child: multiprocessing's
+    spawn runs the parent's main script again in the child, so a script without an
+    `if __name__ == "__main__"` guard would load a second engine inside its compile worker.
+    """
 
     def __init__(self, tokenizer_info_json: str) -> None:
-        context = multiprocessing.get_context("spawn")  # no fork of a process with OpenMP threads
-        self.conn, child_conn = context.Pipe()
-        args = (child_conn, tokenizer_info_json, os.getpid())
-        self.process = context.Process(target=_serve_compiles, args=args, name="ifb-grammar-compile", daemon=True)
-        self.process.start()
-        child_conn.close()  # the worker's end lives in the worker only, so its exit reads as EOF here
+        ours, theirs = socket.socketpair()
+        code = f"from ifb.runtime.guided_pool import serve_compiles; serve_compiles({theirs.fileno()}, {os.getpid()})"
+        with theirs:  # the worker's end lives in the worker only, so its exit reads as EOF here
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL
+            )
+        self.conn = Connection(ours.detach())
+        self.conn.send(tokenizer_info_json)  # read before the worker imports xgrammar
+
+    def exit_code(self) -> int | None:
+        try:
+            return self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
 
     def wait_ready(self) -> str | None:
         """None once the worker is up, else why it is not (it exited, or xgrammar failed to load)."""
         try:
             status, detail = self.conn.recv()
         except (EOFError, OSError):
-            self.process.join(5)
-            return f"the worker exited while starting (exit code {self.process.exitcode})"
+            return f"the worker exited while starting (exit code {self.exit_code()})"
         return None if status == _READY else str(detail)
 
     def compile(self, kind: str, spec: str, budget_s: float) -> tuple[str, str] | None:
@@ -98,7 +115,7 @@ class _Worker:
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.join(5)
+        self.exit_code()
         self.conn.close()
 
 
@@ -140,7 +157,7 @@ class WorkerPool:
 
     def worker_pids(self) -> list[int]:
         with self._cond:
-            return [w.process.pid for w in self._live if w.process.pid is not None]
+            return [worker.process.pid for worker in self._live]
 
     def _keep_spare(self) -> None:
         """Start workers (under the lock) until one is spare beyond the waiting requests."""
@@ -286,8 +303,7 @@ class GrammarCompiler:
         try:
             outcome = worker.compile(guide.kind.value, guide.spec, self.budget_s)
         except (EOFError, OSError):  # it died (a crash, or killed from outside)
-            worker.process.join(5)
-            code = worker.process.exitcode
+            code = worker.exit_code()
             self.pool.discard(worker)
             raise AdmissionError(
                 f"{guide.field}: the constraint compiler's worker ended (exit code {code}) while compiling it",

@@ -93,8 +93,8 @@ def cli_server(*args: str) -> Iterator[Started]:
 
 
 def compile_workers(tree: list[psutil.Process]) -> list[psutil.Process]:
-    """The spawned pool workers (multiprocessing's resource tracker is in the tree too)."""
-    return [p for p in tree if any("spawn_main" in part for part in p.cmdline())]
+    """The grammar compile workers (runtime/guided_pool.py: interpreters running serve_compiles)."""
+    return [p for p in tree if any("serve_compiles" in part for part in p.cmdline())]
 
 
 def guided_request(base: str) -> None:
