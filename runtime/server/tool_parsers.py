@@ -41,6 +41,8 @@ _SEPARATORS = " \t\r\n;"  # between llama3_json calls, and trimmed off the conte
 # xgrammar lets raw control characters into strings, which strict JSON forbids; they come back
 # escaped by the json.dumps that makes the arguments string.
 JSON_DECODER = json.JSONDecoder(strict=False)
+# Broken JSON in a reply stays text. Python's json raises RecursionError, not ValueError, on a
+# block nested deeper than the interpreter's stack (100,000 '[' made every parser raise).
 
 
 class ToolCallParserKind(str, enum.Enum):
@@ -119,7 +121,7 @@ class Llama3JsonToolParser:
         while position < len(body) and body[position] == "{":
             try:
                 value, end = JSON_DECODER.raw_decode(body, position)
-            except ValueError:
+            except (ValueError, RecursionError):
                 break  # broken JSON: it and what follows stay text
             call = _known_call(value, names, "parameters", "arguments")
             if call is None:
@@ -170,7 +172,7 @@ def _mistral_segment(segment: str, names: Collection[str]) -> tuple[list[ParsedC
         if brace < 0:
             return None
         arguments, end = JSON_DECODER.raw_decode(body, brace)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     call = _known_call({"name": body[:brace].split("[", 1)[0].strip(), "arguments": arguments}, names, "arguments")
     return ([call], body[end:]) if call is not None else None
@@ -256,7 +258,7 @@ def _known_call(value: Any, names: Collection[str], *argument_keys: str) -> Pars
 def _loads(text: str) -> Any:
     try:
         return JSON_DECODER.decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

@@ -97,7 +97,7 @@ class ToolPlan:
             if self.mode == "auto":
                 content, calls = parser.parse(text, {t.function.name for t in self.tools})
                 return content, [_call(c.name, c.arguments) for c in calls[: None if self.parallel else 1]]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             pass
         return text, []
 

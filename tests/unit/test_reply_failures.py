@@ -1,13 +1,13 @@
-"""A streamed reply whose shaping raises (a tool-call parser fed malformed output) ends with an SSE
-error event and [DONE], never a cut connection, and its engine stream is closed (which aborts the
-request in the engine). The end-to-end side, a 500 and the neighbours, is in
+"""A tool-call block nested too deep for Python's json stays text; a streamed reply whose shaping
+raises anyway ends with an SSE error event and [DONE], never a cut connection, and its engine
+stream is closed (which aborts the request in the engine). The end-to-end side, a 500 and the neighbours, is in
 tests/e2e/test_request_failures.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 import pytest
 
@@ -16,19 +16,44 @@ from ifb.runtime.request import FinishReason
 from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.server.responses import Choice, ResponseShape
 from ifb.runtime.server.streams import sse_events
-from ifb.runtime.server.tool_parsers import HermesToolParser
+from ifb.runtime.server.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    ParsedCall,
+    ToolCallParser,
+)
 from ifb.runtime.server.tools import FunctionDefinition, Tool, plan_tools
 
-# A call block nested deeper than Python's json can decode: the parser's own error handling
-# (ValueError: the block stays text) does not catch the RecursionError it raises.
+# A call block nested deeper than Python's json can decode (RecursionError, not ValueError).
 DEEP_CALL = "<tool_call>" + "[" * 100_000 + "</tool_call>"
 
 
-def test_deeply_nested_call_json_makes_the_parser_raise() -> None:
-    """The seam the next test goes through; if the parser learns to keep such a block as text,
-    this fails and says the next test needs another way to make shaping fail."""
-    with pytest.raises(RecursionError):
-        HermesToolParser().parse(DEEP_CALL, {"f"})
+DEEP = "[" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("parser", "reply"),
+    [
+        (HermesToolParser(), DEEP_CALL),
+        (Llama3JsonToolParser(), '{"name": "f", "parameters": ' + DEEP),
+        (MistralToolParser(), "[TOOL_CALLS]" + DEEP),
+    ],
+    ids=["hermes", "llama3_json", "mistral"],
+)
+def test_a_call_block_nested_too_deep_stays_text(parser: ToolCallParser, reply: str) -> None:
+    """Each parser's contract for broken JSON (the block stays text, no call) holds for nesting
+    deeper than the interpreter's stack too: all three raised RecursionError before."""
+    content, calls = parser.parse(reply, {"f"})
+    assert calls == []
+    assert content == reply
+
+
+class _FailingParser(HermesToolParser):
+    """Injected failure (no real reply makes a parser raise now): shaping the reply raises."""
+
+    def parse(self, text: str, names: Collection[str]) -> tuple[str | None, list[ParsedCall]]:
+        raise RuntimeError("the parser broke")
 
 
 def test_a_reply_the_tool_parser_cannot_read_ends_with_an_error_event() -> None:
@@ -43,7 +68,7 @@ def test_a_reply_the_tool_parser_cannot_read_ends_with_an_error_event() -> None:
             closed.append(True)
 
     tools = plan_tools([Tool(function=FunctionDefinition(name="f"))], "auto")
-    shape = ResponseShape("id", 0, "m", True, str, tools, tool_parser=HermesToolParser())
+    shape = ResponseShape("id", 0, "m", True, str, tools, tool_parser=_FailingParser())
     choice = Choice(0, 0, [1], SamplingParams())
     head = RequestOutput("r", (1,), "Sure. ", False)
 
@@ -55,5 +80,5 @@ def test_a_reply_the_tool_parser_cannot_read_ends_with_an_error_event() -> None:
     bodies = [json.loads(e) for e in events[:-1]]
     assert [b["choices"][0]["delta"].get("content") for b in bodies[:2]] == ["", "Sure. "]
     assert bodies[-1]["error"]["code"] == "request_failed"
-    assert bodies[-1]["error"]["message"].startswith("shaping the reply failed: RecursionError")
+    assert bodies[-1]["error"]["message"].startswith("shaping the reply failed: RuntimeError")
     assert closed == [True]
