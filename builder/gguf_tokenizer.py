@@ -15,6 +15,7 @@ A vocabulary kind or pre-tokenizer this module does not know is handed to transf
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -250,11 +251,13 @@ def _bpe_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], **optio
 
 
 def _file_merges(merges: list[str]) -> list[tuple[str, str]]:
-    pairs = [tuple(merge.split(" ")) for merge in merges]
-    if any(len(pair) != 2 for pair in pairs):
-        bad = next(merge for merge, pair in zip(merges, pairs, strict=True) if len(pair) != 2)
+    """`tokenizer.ggml.merges` ("left right" each) as pairs, split in C: one join and one split."""
+    spaces = np.fromiter(map(str.count, merges, itertools.repeat(" ")), dtype=np.int64, count=len(merges))
+    if (spaces != 1).any():
+        bad = merges[int(np.flatnonzero(spaces != 1)[0])]
         raise SourceError(f"a `tokenizer.ggml.merges` entry must be two pieces separated by one space, got {bad!r}")
-    return pairs  # type: ignore[return-value]
+    pieces = " ".join(merges).split(" ")
+    return list(zip(pieces[0::2], pieces[1::2], strict=True))
 
 
 def _add_special_tokens(

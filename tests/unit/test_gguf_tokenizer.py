@@ -300,6 +300,15 @@ def test_special_id_outside_vocabulary_is_refused(tmp_path: Path, ids: dict[str,
         load_gguf_tokenizer(path)
 
 
+def test_malformed_merge_is_refused(tmp_path: Path) -> None:
+    vocab = byte_level_vocab()
+    merges = [*vocab.merges[:10], "Ġa b c", *vocab.merges[10:]]  # type: ignore[index]
+    bad = GgufVocab("gpt2", vocab.tokens, vocab.token_types, merges=merges)
+    path = write_tokenizer_gguf(tmp_path / "bad.gguf", "qwen2", bad, pre="qwen2", eos_id=0)
+    with pytest.raises(SourceError, match="two pieces separated by one space, got 'Ġa b c'"):
+        load_gguf_tokenizer(path)
+
+
 def test_file_without_tokenizer_or_not_gguf_is_refused(tmp_path: Path) -> None:
     import gguf
 
