@@ -218,7 +218,7 @@ def test_a_tool_call_parser_that_raises_fails_only_its_response(
     and [DONE] instead of a cut connection; the neighbour and the next request are served."""
 
     def failing(self: Any, text: str, names: Any) -> Any:
-        raise RecursionError("injected: the tool-call parser failed")
+        raise RuntimeError("injected: the tool-call parser failed")
 
     monkeypatch.setattr(tool_parsers.HermesToolParser, "parse", failing)
     for stream in (False, True):
@@ -238,7 +238,7 @@ def test_a_tool_call_parser_that_raises_fails_only_its_response(
             assert status == 200 and "injected: the tool-call parser failed" in sse_error(text)
         else:
             assert status == 500, text
-            assert "RecursionError: injected: the tool-call parser failed" in json.loads(text)["error"]["message"]
+            assert "RuntimeError: injected: the tool-call parser failed" in json.loads(text)["error"]["message"]
     plain = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
     assert post(base, "/v1/chat/completions", plain)[0] == 200  # no tools: no parser, served
 
