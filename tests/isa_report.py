@@ -51,7 +51,7 @@ class IsaReport:
         if report.skipped and other is not None:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             self.skipped.setdefault(other, Counter())[reason.removeprefix("Skipped: ")] += 1
-        if report.when != "call":
+        if report.when != "call" or report.skipped:
             return
         paths = {value.isa for value in getattr(item, "funcargs", {}).values() if isinstance(value, QuantLibrary)}
         if other is not None:
