@@ -1,11 +1,20 @@
-"""`ifb build` of a block-quantized GGUF stays within the file's size plus a fixed overhead.
+"""`ifb build` of a block-quantized GGUF stays within the file's size plus a fixed overhead, its
+whole process tree counted: the build process, its compile process and the C++ compilers.
 
-A generated Q4_K_M-like model of ~150 MB is built by the CLI in its own process; each build
-phase's peak resident memory (the kernel's VmHWM, engine.json's build.stage_peak_rss_mb) must be
-at most the file size + 1.5 GiB, and the engine folder at most 1.15x the file (weights stored
-once, in their blocks). Through transformers' dequantizing loader this build needed about 20x the
-file (a 669 MB file was killed at 24 GB). The engine bakes in a 2 GB KV pool, more than the
-bound: a build that made the pool resident (the export's sample pools, calibration's KV) fails.
+A generated Q4_K_M-like model of 445 MiB is built in a process of its own while the test samples
+the resident memory (RSS) of that process and all its descendants every 20 ms, summed, and tags
+each sample with the build phase the builder has announced (`build_engine`'s on_stage). Each
+phase's peak must stay under the file + that phase's fixed overhead (PHASE_OVERHEADS: the compile
+phase runs the kernel library's compilers and the AOT compile beside the build process; every
+other phase is the build process alone). Each overhead is the phase's measured peak above the file
+plus a margin well under the file's size, so a build that held its weights twice in a phase (a
+regression to twice the file) fails. The engine folder must stay under 1.15x the file (weights
+stored once, in their blocks). The engine bakes in a 2 GB KV pool, more than any overhead: a build
+that made the pool resident fails.
+
+Through transformers' dequantizing loader this build needed about 20x the file (a 669 MB file was
+killed at 24 GB). Cost: making the file ~1 minute (a 3.5 GB fp32 checkpoint first, deleted), the
+build ~3-4 minutes on 2 idle cores (12 layers: the AOT compile's time grows with layers, not widths).
 """
 
 from __future__ import annotations
@@ -13,21 +22,43 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from tiny_models import Q4_K_M_LIKE, write_gguf, write_hf_checkpoint
 
-OVERHEAD_BYTES = int(1.5 * 2**30)
+MIB = 2**20
+# Each phase's fixed overhead over the file: its tree peak minus the file, plus about 250 MiB, a
+# margin well under the file (445 MiB), so holding the weights a second time in any phase but read
+# (which only maps the file's header and one tensor at a time) breaks the bound. Seen on a loaded
+# 2-core AVX-512 VNNI machine: pack and write ~0.62 GiB (the build process), compile up to ~1.9
+# GiB (the build process, the compile process and the kernel library's two compilers).
+PROCESS_OVERHEAD = 450 * MIB  # imports, the read and pack of one tensor at a time, the write
+PHASE_OVERHEADS = {
+    "compile": 1750 * MIB,  # the compile process and the compilers beside the build process
+    "calibrate": 850 * MIB,  # the loaded engine's code beside its mapped weights (the file's size)
+}
+SAMPLE_S = 0.02
 SHAPE = dict(
-    hidden_size=1024,
-    intermediate_size=4096,
-    num_hidden_layers=16,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=12,  # the AOT compile's time grows with layers, not widths
     num_attention_heads=16,
     num_key_value_heads=4,
     tie_word_embeddings=True,
 )
-TYPES = {**Q4_K_M_LIKE, "ffn_down": "Q6_K"}  # rows of 4096: down stays a K-quant
+TYPES = {**Q4_K_M_LIKE, "ffn_down": "Q6_K"}  # rows of 8192: down stays a K-quant
+# The build process: the builder called as `ifb build` calls it, announcing each phase on stdout.
+BUILD = """
+import sys
+from pathlib import Path
+from ifb.builder.build import BuildOptions, build_engine
+options = BuildOptions(max_batch_size=4, max_num_tokens=64, max_seq_len=256, kv_memory_gb=2)
+build_engine(Path(sys.argv[1]), Path(sys.argv[2]), options, on_stage=lambda name: print(name, flush=True))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +70,57 @@ def medium_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_build_peak_memory_is_the_file_plus_a_bounded_overhead(medium_gguf: Path, tmp_path: Path) -> None:
+def tree_rss(process: psutil.Process) -> int:
+    """Resident bytes of `process` and every descendant alive now (pages shared between them
+    counted in each: an upper bound)."""
+    total = 0
+    try:
+        members = [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    for member in members:
+        try:
+            total += member.memory_info().rss
+        except psutil.Error:  # a compiler that exited between the listing and the read
+            pass
+    return total
+
+
+def build_with_tree_peaks(gguf: Path, output: Path) -> dict[str, int]:
+    """Builds `gguf` into `output` in its own process; each phase's peak tree RSS."""
+    build = subprocess.Popen(
+        [sys.executable, "-c", BUILD, str(gguf), str(output)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    phase = ["start"]  # interpreter start and imports, before the builder's first phase
+
+    def follow_phases() -> None:
+        assert build.stdout is not None
+        for line in build.stdout:
+            phase[0] = line.strip()
+
+    reader = threading.Thread(target=follow_phases, daemon=True)
+    reader.start()
+    process, peaks = psutil.Process(build.pid), {}
+    while build.poll() is None:
+        current, rss = phase[0], tree_rss(process)
+        peaks[current] = max(peaks.get(current, 0), rss)
+        time.sleep(SAMPLE_S)
+    reader.join(timeout=10)
+    assert build.stderr is not None
+    assert build.returncode == 0, build.stderr.read()[-3000:]
+    return peaks
+
+
+def test_build_tree_peak_memory_is_the_file_plus_a_fixed_overhead(medium_gguf: Path, tmp_path: Path) -> None:
     output = tmp_path / "engine"
-    command = [sys.executable, "-m", "ifb.cli.main", "build", str(medium_gguf), "-o", str(output)]
-    command += ["--max-batch-size", "4", "--max-num-tokens", "64", "--max-seq-len", "256", "--kv-memory", "2"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    record = json.loads((output / "engine.json").read_text())
-    peaks = {phase: mb * 2**20 for phase, mb in record["build"]["stage_peak_rss_mb"].items()}
+    peaks = build_with_tree_peaks(medium_gguf, output)
     file_bytes = medium_gguf.stat().st_size
-    assert file_bytes > 100e6  # the model is big enough for a 20x loader to show
-    assert set(peaks) >= {"read", "pack", "compile", "write", "calibrate"}
-    assert record["kv_pool"]["bytes"] > OVERHEAD_BYTES  # the pool alone would break the bound
-    assert max(peaks.values()) <= file_bytes + OVERHEAD_BYTES, (peaks, file_bytes)
+    record = json.loads((output / "engine.json").read_text())
+    figures = {name: f"{peak / MIB:.0f} MiB" for name, peak in peaks.items()} | {"file": f"{file_bytes / MIB:.0f} MiB"}
+    print("build tree peaks:", figures)
+    assert set(peaks) >= {"read", "pack", "compile", "write", "calibrate"}, figures
+    assert record["kv_pool"]["bytes"] > max(PHASE_OVERHEADS.values())  # the pool alone would break any bound
+    for name, peak in peaks.items():
+        assert peak <= file_bytes + PHASE_OVERHEADS.get(name, PROCESS_OVERHEAD), (name, figures)
     folder_bytes = sum(p.stat().st_size for p in output.rglob("*") if p.is_file())
     assert folder_bytes <= 1.15 * file_bytes, (folder_bytes, file_bytes)
