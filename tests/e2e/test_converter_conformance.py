@@ -117,7 +117,6 @@ CASES = {
         ),
         ("scaling",),
         ("f32",),
-        ROPE_SCALING_UNREAD.format(what="the `llama3` factors (rope_freqs.weight)"),
     ),
     "llama-linear": Case(
         "llama",
