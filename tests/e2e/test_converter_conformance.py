@@ -66,9 +66,6 @@ MARGIN = 300
 PROMPT_LENGTHS = (11, 20, 29)
 NEW_TOKENS = 16
 
-# Before the builder reads these (issue 36), an engine runs them with plain RoPE.
-ROPE_SCALING_UNREAD = "the builder does not apply {what} from llama.cpp's file (issue 36); remove once it does"
-
 
 @dataclass(frozen=True, slots=True)
 class Case:
@@ -123,7 +120,6 @@ CASES = {
         dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)),
         ("scaling",),
         ("f32",),
-        ROPE_SCALING_UNREAD.format(what="`linear` scaling on a `llama` file (rope.scaling.factor)"),
     ),
     "qwen3-yarn": Case(
         "qwen3",
@@ -134,7 +130,6 @@ CASES = {
         ),
         ("scaling",),
         ("f32",),
-        ROPE_SCALING_UNREAD.format(what="`yarn` scaling (rope.scaling.*)"),
     ),
     "phi3-longrope": Case(
         "phi3",
