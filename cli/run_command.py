@@ -103,6 +103,7 @@ def run(ctx: click.Context, target: str | None, **params: Any) -> None:
             if params["prompt"] is not None:
                 _stream_prompt(llm, params["prompt"], params["max_tokens"], params["temperature"])
             else:
+                llm.start_guided_workers()
                 _serve(llm, server, log_level)
         finally:
             llm.close()

@@ -55,12 +55,19 @@ class LLM(FrontendClient):
         self.executor.finish_listeners.append(lambda request: self._drain.record_finish())
         self._trace = TraceRecorder.attach(self.executor) if self.settings.trace is not None else None
         self.executor.start()
-        self.frontend.start_grammar_compiler()  # warm before the first guided request (#41)
         # A script that never calls close() used to end in SIGABRT ("terminate called without an
         # active exception", exit 134): the interpreter tore down native thread pools under the
         # running executor thread. Closing at exit stops the loop first; a weak reference, so
         # the hook never keeps an LLM alive.
         atexit.register(_close_if_alive, weakref.ref(self))
+
+    def start_guided_workers(self) -> None:
+        """Start guided decoding's compile workers now, in the background, so the first guided
+        request finds one warm: `ifb run` and each `ifb serve` replica do at start. Otherwise the
+        first guided request starts them and waits for one (its compile budget starts only when
+        a worker takes it), so an LLM that never sees one costs no worker process (~280 MB, ~4 s
+        of CPU to import xgrammar)."""
+        self.frontend.start_grammar_compiler()
 
     def _make_scheduler(self) -> Scheduler:
         limits, config = self.engine_config.limits, self.config

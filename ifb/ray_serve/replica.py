@@ -71,6 +71,7 @@ class IfbReplica:
         set_compute_threads(threads)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.llm = LLM(engine, replica_settings(settings, self.replica))
+        self.llm.start_guided_workers()
         logger.info("replica %s serving %s (pid %d)", self.replica, self.llm.model_name, os.getpid())
 
     async def generate(self, jobs: Sequence[Job], avoid: Sequence[str] = ()) -> AsyncIterator[Opened | Refused | Delta]:
