@@ -92,7 +92,10 @@ CASES = {
     "qwen2-biases": Case("qwen2", dict(tie_word_embeddings=True), ("rope_theta", "q_bias")),
     "qwen2-untied": Case("qwen2", features=("rope_theta", "ffn_norm"), outtypes=("f32",)),
     "qwen3": Case("qwen3", dict(tie_word_embeddings=True), ("rope_theta", "qk_norm")),
-    "smollm3": Case("smollm3", features=("rope_theta", "nope_layers")),
+    # llama.cpp's file has no key for SmolLM3's NoPE layers: its graph leaves RoPE out of every 4th
+    # (SmolLM3Config's default), so the checkpoint has 4 layers in that pattern, not tiny_models'
+    # 2-layer [1, 0], which no GGUF can say.
+    "smollm3": Case("smollm3", dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]), ("rope_theta", "nope_layers")),
     "phi3": Case("phi3", features=("rope_theta", "input_norm")),
     "gemma2": Case("gemma2", GEMMA2, ("rope_theta", "attn_softcap", "final_softcap", "window")),
     "gemma3": Case(
