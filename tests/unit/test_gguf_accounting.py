@@ -3,7 +3,7 @@
 The files are the converter double's (tests/tiny_models.write_gguf) with keys and tensors added
 or swapped by `rewrite`: what they pin is the builder's reading of a key or tensor llama.cpp's
 converter would write (or a stranger one), not a conversion. The RoPE scaling end to end, with
-llama.cpp's own converter and transformers on the HF folder, is tests/e2e/test_gguf_rope_scaling.py.
+llama.cpp's own converter and transformers on the HF folder, is tests/e2e/test_converter_conformance.py (its llama-llama3, llama-linear and qwen3-yarn cases).
 """
 
 from __future__ import annotations
