@@ -1,23 +1,32 @@
-"""Soak: minutes of mixed traffic against `ifb run` on loopback, watching for slow leaks.
+"""Soak: minutes of mixed traffic against `ifb run` on loopback, watching for slow leaks and wrong replies.
 
-    .venv/bin/python bench/soak.py --engine ENGINE_DIR [--minutes 10] [--clients 5]
+    .venv/bin/python bench/soak.py --engine ENGINE_DIR [--minutes 10] [--clients 5] [--speculative suffix]
 
-Mixed traffic from a bounded pool of clients: plain and streaming completions, chat, n > 1,
-guided (JSON schema and choice), tool calls (tool_choice auto and required, streamed or not),
-seeded sampling, and aborts (streams dropped after a few chunks). A warm-up of the same traffic
-comes first; then, with the server idle, the start sample: the server's RSS, its open file
-descriptors and threads, the processes in its tree (grammar-compile workers included) and the
-KV blocks in use. The soak runs for --minutes (RSS sampled every 30 s), the server goes idle
-again, and the end sample is taken. PASS needs RSS growth <= 5% of the start sample, no KV
-block in use when idle, no more fds, threads or processes at the end than at the start, and
-none of the server's processes left 3 s after it is stopped (SIGTERM).
-Bounded: it stops by itself after --minutes, and only talks to 127.0.0.1.
+The server runs with guided decoding, tools (the template's hermes parser), a reasoning parser
+(`--reasoning-parser qwen3` and a chat template whose `enable_thinking` opens `<think>`) and
+speculative decoding (`--speculative suffix`, a small suffix cache so it evicts). Mixed traffic
+from a bounded pool of clients: plain and streaming completions, chat, n > 1, guided (JSON schema
+and choice), tool calls (tool_choice auto and required, streamed or not), seeded sampling, aborts
+(streams dropped after a few chunks), reasoning (with and without a budget, and a think block a
+guided reply spells out) and speculation's kinds (repetitive greedy and seeded prompts, repeated,
+whose text must not change). Each reply is checked against what its kind must give
+(bench/soak_kinds.py); every failed request is counted per kind and fails the run.
+
+A warm-up of the same traffic comes first; then, with the server idle, the start sample: the
+server's RSS, its open file descriptors and threads, the processes in its tree (grammar-compile
+workers included) and the KV blocks in use. The soak runs for --minutes (RSS and the load average
+sampled every 30 s), the server goes idle again, and the end sample is taken. PASS needs no failed
+request (warm-up included), RSS growth <= 5% of the start sample, no KV block in use when idle, no
+more fds, threads or processes at the end than at the start, none of the server's processes left
+3 s after it is stopped (SIGTERM), draft tokens accepted during the soak and replies with
+reasoning_content. Bounded: it stops by itself after --minutes, and only talks to 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import subprocess
@@ -25,44 +34,19 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
+from soak_kinds import KINDS, THINKING_TEMPLATE, Outcome, Repeats, send
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}}}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-                "required": ["city", "unit"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "parameters": {
-                "type": "object",
-                "properties": {"zone": {"type": "string", "maxLength": 8}},
-                "required": ["zone"],
-                "additionalProperties": False,
-            },
-        },
-    },
-]
-KINDS = ["plain", "stream", "chat", "n3", "json", "choice", "tools_auto", "tools_required", "seeded", "abort"]
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "weather", "in", "Paris", "time"]
 WINDOW_S = 30.0
 MAX_RSS_GROWTH = 0.05
+MAX_EXAMPLES = 30
+REQUEST_TIMEOUT_S = 180.0
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def free_port() -> int:
@@ -71,79 +55,63 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def request_body(kind: str, rng: random.Random) -> tuple[str, dict[str, Any]]:
-    """(path, body) of one request of `kind`."""
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60)))
-    body: dict[str, Any] = {"max_tokens": rng.randint(4, 48), "temperature": rng.choice([0, 0.7, 1.0])}
-    if kind in ("chat", "tools_auto", "tools_required"):
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
-    else:
-        path, body["prompt"] = "/v1/completions", prompt
-    if kind.startswith("tools"):
-        body |= {"tools": TOOLS, "tool_choice": kind.removeprefix("tools_"), "max_tokens": 64}
-        body["stream"] = rng.random() < 0.5
-    if kind == "n3":
-        body["n"] = 3
-    elif kind == "json":
-        body["guided_json"] = SCHEMA
-    elif kind == "choice":
-        body["guided_choice"] = ["yes", "no", "maybe"]
-    elif kind == "seeded":
-        body["seed"] = rng.randint(0, 1000)
-    elif kind in ("stream", "abort"):
-        body["stream"] = True
-    return path, body
+@dataclass(slots=True)
+class Tally:
+    """What the clients saw: outcomes per kind, problems per kind, and the first problems in full."""
+
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    problems: Counter[tuple[str, str]] = field(default_factory=Counter)
+    reasoned: Counter[str] = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+    finished: list[tuple[float, float]] = field(default_factory=list)  # (finish time, latency)
+
+    def add(self, kind: str, outcome: Outcome, latency: float) -> None:
+        self.outcomes[kind, outcome.finish] += 1
+        self.reasoned[kind] += outcome.reasoned
+        if outcome.problem is not None:
+            self.problems[kind, outcome.problem.split(":")[0]] += 1
+            if len(self.examples) < MAX_EXAMPLES:
+                self.examples.append(f"{kind}: {outcome.problem} | {outcome.detail}")
+        self.finished.append((time.monotonic(), latency))
+
+    def by_kind(self) -> dict[str, dict[str, Any]]:
+        report: dict[str, dict[str, Any]] = {}
+        for kind in KINDS:
+            finishes = {finish: n for (k, finish), n in sorted(self.outcomes.items()) if k == kind}
+            problems = {problem: n for (k, problem), n in sorted(self.problems.items()) if k == kind}
+            failed = sum(problems.values())
+            report[kind] = {"ok": sum(finishes.values()) - failed, "failed": failed, "finish": finishes}
+            if problems:
+                report[kind]["problems"] = problems
+            if kind.startswith("reasoning"):
+                report[kind]["with_reasoning_content"] = self.reasoned[kind]
+        return report
 
 
-def one_request(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
-    """Send one request of `kind`; return its outcome: the first choice's finish reason,
-    "aborted" for a stream dropped on purpose, or "http_<status>"."""
-    path, body = request_body(kind, rng)
-    if not body.get("stream"):
-        response = client.post(base + path, json=body)
-        if response.status_code != 200:
-            return f"http_{response.status_code}"
-        return str(response.json()["choices"][0]["finish_reason"])
-    finish_reason = "no_finish_reason"
-    with client.stream("POST", base + path, json=body) as response:
-        if response.status_code != 200:
-            return f"http_{response.status_code}"
-        for i, line in enumerate(response.iter_lines()):
-            if kind == "abort" and i >= 3:
-                return "aborted"  # leaving the block closes the connection: the server must abort
-            if line.startswith("data: {"):
-                finish_reason = json.loads(line[6:])["choices"][0].get("finish_reason") or finish_reason
-    return finish_reason
-
-
-def drive(
-    base: str, clients: int, seconds: float, seed: int
-) -> tuple[Counter[tuple[str, str]], list[tuple[float, float]]]:
-    """Run `clients` closed-loop clients for `seconds`; ((kind, outcome) counts, [(finish time, latency)])."""
+def drive(base: str, clients: int, seconds: float, seed: int, repeats: Repeats) -> Tally:
+    """Run `clients` closed-loop clients for `seconds`."""
     deadline = time.monotonic() + seconds
-    outcomes: Counter[tuple[str, str]] = Counter()
-    finished: list[tuple[float, float]] = []
+    tally = Tally()
     lock = threading.Lock()
 
     def client_loop(client_seed: int) -> None:
         rng = random.Random(client_seed)
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
             while time.monotonic() < deadline:
                 kind, start = rng.choice(KINDS), time.monotonic()
                 try:
-                    outcome = one_request(client, base, kind, rng)
-                except httpx.HTTPError as error:
-                    outcome = f"transport_{type(error).__name__}"
+                    outcome = send(client, base, kind, rng, repeats)
+                except Exception as error:  # a reply the checks could not even read is a wrong shape
+                    outcome = Outcome("unreadable", f"unreadable reply: {type(error).__name__}: {error}")
                 with lock:
-                    outcomes[kind, outcome] += 1
-                    finished.append((time.monotonic(), time.monotonic() - start))
+                    tally.add(kind, outcome, time.monotonic() - start)
 
     threads = [threading.Thread(target=client_loop, args=(seed + i,), daemon=True) for i in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(seconds + 180)
-    return outcomes, finished
+        thread.join(seconds + REQUEST_TIMEOUT_S + 60)
+    return tally
 
 
 def wait_idle(base: str, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -180,8 +148,10 @@ def sample(process: psutil.Process, health: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def verdict(start: dict[str, float], end: dict[str, float]) -> list[str]:
-    """The thresholds the end sample misses (empty: PASS)."""
+def verdict(
+    start: dict[str, float], end: dict[str, float], warmup: Tally, soak: Tally, spec: dict[str, Any]
+) -> list[str]:
+    """What the run misses (empty: PASS): a leak threshold, a failed request, speculation unused."""
     failures = []
     for key in ("rss_mb", "tree_rss_mb"):
         if end[key] > start[key] * (1 + MAX_RSS_GROWTH):
@@ -194,7 +164,36 @@ def verdict(start: dict[str, float], end: dict[str, float]) -> list[str]:
             failures.append(f"{key} = {end[key]} when idle")
     if end["processes_left_after_stop"]:
         failures.append(f"{end['processes_left_after_stop']} processes outlived the server's SIGTERM")
+    for phase, tally in (("warm-up", warmup), ("soak", soak)):
+        for (kind, problem), count in sorted(tally.problems.items()):
+            failures.append(f"{phase}: {count} x {kind}: {problem}")
+    if not spec["num_accepted_tokens"]:
+        failures.append(f"speculation never had a draft token accepted: {spec}")
+    if not soak.reasoned["reasoning"] or not soak.reasoned["reasoning_guided"]:
+        failures.append(f"no reply had reasoning_content: {dict(soak.reasoned)}")
     return failures
+
+
+def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
+    """`ifb run` with guided decoding's pool, tools (hermes), reasoning and speculation on."""
+    template = args.output.with_suffix(".chat_template.jinja")
+    template.write_text(THINKING_TEMPLATE)
+    command = [
+        *(sys.executable, "-m", "ifb.cli.main", "run", args.engine, "--port", str(port)),
+        *("--max-queued-requests", "64", "--chat-template", str(template), "--reasoning-parser", "qwen3"),
+        *("--speculative", args.speculative, "--suffix-cache-tokens", str(args.suffix_cache_tokens)),
+    ]
+    server_log = args.output.with_suffix(".server.log").open("w")
+    return subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
+
+
+def cpu_name() -> str:
+    """lscpu's model name and the vector ISA flags that pick the kernels."""
+    info = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = sorted(f for f in flags if f.startswith(("avx2", "avx512", "amx", "avx_vnni")))
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(isa)}"
 
 
 def p99(values: list[float]) -> float:
@@ -208,27 +207,30 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--warmup-seconds", type=float, default=60.0)
     parser.add_argument("--clients", type=int, default=5)
+    parser.add_argument("--speculative", choices=["ngram", "suffix"], default="suffix")
+    parser.add_argument(
+        "--suffix-cache-tokens", type=int, default=4096, help="small, so the suffix cache evicts during the soak"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench/out/soak.json"))
     args = parser.parse_args()
     port = free_port()
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    server_log = args.output.with_suffix(".server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ifb.cli.main", "run", args.engine, "--port", str(port), "--max-queued-requests", "64"],
-        stdout=server_log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
+    server = start_server(args, port)
+    base, repeats = f"http://127.0.0.1:{port}", Repeats()
+    load = [os.getloadavg()]
     try:
         while True:
+            if server.poll() is not None:
+                sys.exit(f"the server exited ({server.returncode}): see {args.output.with_suffix('.server.log')}")
             try:
                 httpx.get(base + "/health", timeout=1)
                 break
             except httpx.HTTPError:
                 time.sleep(0.5)
         process = psutil.Process(server.pid)
-        drive(base, args.clients, args.warmup_seconds, seed=1000)
-        start = sample(process, wait_idle(base))
+        warmup = drive(base, args.clients, args.warmup_seconds, seed=1000, repeats=repeats)
+        health = wait_idle(base)
+        start, spec_start = sample(process, health), health["speculative"]
         print("start", json.dumps(start), flush=True)
         rss: list[tuple[float, float]] = []
         started = time.monotonic()
@@ -236,10 +238,11 @@ def main() -> None:
         def sample_rss() -> None:
             while time.monotonic() < started + args.minutes * 60:
                 rss.append((round(time.monotonic() - started), round(process.memory_info().rss / 2**20, 1)))
+                load.append(os.getloadavg())
                 time.sleep(WINDOW_S)
 
         threading.Thread(target=sample_rss, daemon=True).start()
-        outcomes, finished = drive(base, args.clients, args.minutes * 60, seed=0)
+        soak = drive(base, args.clients, args.minutes * 60, seed=0, repeats=repeats)
         health = wait_idle(base)
         end = sample(process, health)
         children = process.children(recursive=True)
@@ -248,28 +251,36 @@ def main() -> None:
         server.wait(30)
     time.sleep(3)  # compile workers notice their parent is gone within a second
     end["processes_left_after_stop"] = sum(child.is_running() for child in children)
+    spec = {key: health["speculative"][key] - spec_start[key] for key in SPEC_COUNTERS}
     windows: dict[int, list[float]] = {}
-    for when, latency in finished:
+    for when, latency in soak.finished:
         windows.setdefault(int((when - started) // WINDOW_S), []).append(latency)
-    by_kind: dict[str, dict[str, int]] = {}
     by_outcome: Counter[str] = Counter()
-    for (kind, outcome), count in sorted(outcomes.items()):
-        by_kind.setdefault(kind, {})[outcome] = count
+    for (_, outcome), count in soak.outcomes.items():
         by_outcome[outcome] += count
-    failures = verdict(start, end)
+    failures = verdict(start, end, warmup, soak, spec)
     report = {
         "command": " ".join(sys.argv),
         "minutes": args.minutes,
         "clients": args.clients,
-        "requests": sum(outcomes.values()),
+        "cpu": cpu_name(),
+        "load_average_1_5_15_every_30s": [[round(x, 2) for x in sample] for sample in load],
+        "requests": len(soak.finished),
+        "failed_requests": sum(soak.problems.values()),
         "outcomes": dict(by_outcome.most_common()),
-        "outcomes_by_kind": by_kind,
+        "outcomes_by_kind": soak.by_kind(),
+        "warmup_requests": len(warmup.finished),
+        "warmup_failed_requests": sum(warmup.problems.values()),
+        "repeats_checked": repeats.num_checked,
+        "speculative_during_soak": spec,
+        "speculative_at_end": health["speculative"],
         "start": start,
         "end": end,
         "growth": {key: round(end[key] - start[key], 1) for key in start},
         "rss_mb_every_30s": rss,
         "p99_latency_s_first_last_window": [p99(windows[min(windows)]), p99(windows[max(windows)])],
         "scheduling": health["scheduling"],
+        "problem_examples": warmup.examples + soak.examples,
         "failures": failures,
         "verdict": "FAIL" if failures else "PASS",
     }
@@ -278,7 +289,7 @@ def main() -> None:
     if failures:
         print("FAIL: " + "; ".join(failures))
     else:
-        print("PASS: RSS growth <= 5%, no KV block in use when idle, no fd/thread/process growth, none left after stop")
+        print("PASS: every request as its kind must be, RSS growth <= 5%, nothing in use when idle, no growth")
     sys.exit(1 if failures else 0)
 
 
