@@ -1,0 +1,265 @@
+"""GGUF rows of blocks -> the kernels' tiles (`quant_ops.pack` / `pack_int8`), whole words at a time.
+
+The layouts are `quant_ops`'s docstring; `quant_pack_reference.pack_reference` spells them out weight
+by weight and this module must equal it byte for byte (tests/unit/test_quant_pack.py). The file's
+blocks already hold every bit the kernels read, so nothing is unpacked to one byte per weight: each
+field is moved by one strided numpy copy from the blocks (the 16 columns of a tile interleaved),
+and the only bytes computed are those whose bits move, in 8-byte words over a chunk's whole field:
+
+  nibbles    the pair of weights a kernel byte holds sits in two source bytes' same-side nibbles:
+             one SWAR step per word makes both sides' bytes at once (`_pair_nibbles` for pack's
+             [2i, 2i+1] pairs, `_lane_nibbles` for pack_int8's [8g+b, 8g+4+b] lanes)
+  high bits  Q5_K's [32 bytes x 8 sub-blocks] bit matrix and Q6_K's 2-bit fields are transposed
+             by delta swaps (`_swap_index_bits`), and pack_int8's lanes reorder them the same way
+
+Tiles are independent, so rows are packed in chunks of about `CHUNK_BYTES` of blocks: the
+temporaries stay a few times that whatever the tensor's size (a 128k-row head included).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ifb.plugins.quant_formats import WeightFormat, block_bytes, block_weights
+
+TILE_COLUMNS = 16
+# Source bytes per chunk: small enough that a chunk's fields and temporaries (about 4x) stay in
+# the last-level cache, large enough that numpy's per-call overhead is nothing.
+CHUNK_BYTES = 1 << 18
+_NIBBLE_BYTES = 16 * TILE_COLUMNS  # one 32-weight (sub-)block's nibbles for the 16 columns
+
+# Offsets inside a GGUF block: fp16 scalars (stored first, [16 cols] each), the byte field stored
+# [bytes][16 cols] (K-quant scales), the quants, and the bits above the nibbles.
+_FP16_AT = {
+    WeightFormat.Q4_1: (0, 2),
+    WeightFormat.Q5_1: (0, 2),
+    WeightFormat.Q4_K: (0, 2),
+    WeightFormat.Q5_K: (0, 2),
+    WeightFormat.Q6_K: (208,),
+}
+_BYTE_FIELD = {WeightFormat.Q4_K: (4, 12), WeightFormat.Q5_K: (4, 12), WeightFormat.Q6_K: (192, 16)}
+_QUANTS_AT = {
+    WeightFormat.Q4_0: 2,
+    WeightFormat.Q4_1: 4,
+    WeightFormat.Q5_0: 6,
+    WeightFormat.Q5_1: 8,
+    WeightFormat.Q8_0: 2,
+    WeightFormat.Q4_K: 16,
+    WeightFormat.Q5_K: 48,
+    WeightFormat.Q6_K: 0,
+}
+# Bytes per 32-weight sub-block stored before its nibbles, for the 16 columns.
+_HIGH_BYTES = {WeightFormat.Q5_0: 64, WeightFormat.Q5_1: 64, WeightFormat.Q5_K: 64, WeightFormat.Q6_K: 128}
+
+
+def num_tiles(n: int) -> int:
+    return -(-n // TILE_COLUMNS)
+
+
+def pack_tiles(
+    blocks: torch.Tensor,
+    fmt: WeightFormat,
+    n: int,
+    k: int,
+    int8_layout: bool,
+    chunk_bytes: int = CHUNK_BYTES,
+    workers: int | None = None,
+) -> torch.Tensor:
+    """GGUF rows uint8 [n, k/block_weights * block_bytes] -> uint8 [ceil(n/16), k/block_weights * 16 *
+    block_bytes] tiles: `pack`'s exact layout, or `pack_int8`'s with `int8_layout`. Chunks of about
+    `chunk_bytes` of blocks are packed by `workers` threads (default: torch's intra-op threads)."""
+    size, weights = block_bytes(fmt), block_weights(fmt)
+    num_blocks = k // weights
+    if k % weights or blocks.shape != (n, num_blocks * size) or blocks.dtype != torch.uint8:
+        raise ValueError(
+            f"expected uint8 [{n}, {num_blocks * size}] {fmt.value} blocks with K a multiple of {weights}, "
+            f"got {tuple(blocks.shape)} for K={k}"
+        )
+    if chunk_bytes < 1 or (workers is not None and workers < 1):
+        raise ValueError(f"chunk_bytes and workers must be positive, got {chunk_bytes} and {workers}")
+    rows = blocks.detach().cpu().contiguous().numpy()
+    tiles = num_tiles(n)
+    out = np.empty((tiles, num_blocks * TILE_COLUMNS * size), dtype=np.uint8)
+    step = max(1, chunk_bytes // max(1, TILE_COLUMNS * num_blocks * size))
+
+    def pack_chunk(first: int) -> None:
+        count = min(tiles, first + step) - first
+        src = rows[first * TILE_COLUMNS : (first + count) * TILE_COLUMNS]
+        if src.shape[0] < count * TILE_COLUMNS:  # the last tile's missing columns are zero blocks
+            padded = np.zeros((count * TILE_COLUMNS, rows.shape[1]), dtype=np.uint8)
+            padded[: src.shape[0]] = src
+            src = padded
+        dst = out[first : first + count].reshape(count, num_blocks, TILE_COLUMNS * size)
+        _pack_chunk(src.reshape(count, TILE_COLUMNS, num_blocks, size), dst, fmt, int8_layout)
+
+    firsts = range(0, tiles, step)
+    workers = min(len(firsts), torch.get_num_threads() if workers is None else workers)
+    if workers <= 1:
+        for first in firsts:
+            pack_chunk(first)
+    else:  # numpy lets go of the GIL in its copies and bit operations: chunks pack side by side
+        with ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(pack_chunk, firsts):  # re-raises a chunk's error
+                pass
+    return torch.from_numpy(out)
+
+
+def _into(region: np.ndarray, shape: tuple[int, ...], values: np.ndarray) -> None:
+    """Write `values` through `region` seen as `shape` (a view: np.reshape refuses to copy)."""
+    np.reshape(region, shape, copy=False)[...] = values
+
+
+def _pack_chunk(src: np.ndarray, dst: np.ndarray, fmt: WeightFormat, int8_layout: bool) -> None:
+    """src [T, col, nb, block bytes] (a view of the rows) -> dst [T, nb, 16 * block bytes]."""
+    tiles, _, num_blocks, _ = src.shape
+    lead = (tiles, num_blocks)
+    at = 0
+    for offset in _FP16_AT.get(fmt, (0,)):  # [col, 2 bytes]: the column's fp16 as it is
+        _into(dst[:, :, at : at + 32], (*lead, TILE_COLUMNS, 2), src[..., offset : offset + 2].transpose(0, 2, 1, 3))
+        at += 32
+    if fmt in _BYTE_FIELD:
+        offset, count = _BYTE_FIELD[fmt]
+        field = src[..., offset : offset + count].transpose(0, 2, 3, 1)
+        _into(dst[:, :, at : at + count * TILE_COLUMNS], (*lead, count, TILE_COLUMNS), field)
+        at += count * TILE_COLUMNS
+    body = dst[:, :, at:]
+    quants_at = _QUANTS_AT[fmt]
+    if fmt is WeightFormat.Q8_0:
+        quants = src[..., quants_at : quants_at + 32]
+        if int8_layout:  # [g, col, 4 bytes]
+            _into(
+                body,
+                (*lead, 8, TILE_COLUMNS, 4),
+                np.reshape(quants, (tiles, 16, num_blocks, 8, 4), copy=False).transpose(0, 2, 3, 1, 4),
+            )
+        else:  # [k, col]
+            _into(body, (*lead, 32, TILE_COLUMNS), quants.transpose(0, 2, 3, 1))
+        return
+    subs = block_weights(fmt) // 32
+    extra = _HIGH_BYTES.get(fmt, 0)
+    per_sub = np.reshape(body, (*lead, subs, extra + _NIBBLE_BYTES), copy=False)
+    _nibbles(src, per_sub[..., extra:], fmt, int8_layout)
+    if extra:
+        _high_bits(src, per_sub[..., :extra], fmt, int8_layout)
+
+
+def _pair_nibbles(words: np.ndarray) -> np.ndarray:
+    """Per 16-bit pair of source bytes (a, b): byte 0 <- low nibbles (a | b << 4), byte 1 <- high."""
+    out = words & 0xF00FF00FF00FF00F
+    moved = words >> 4
+    moved &= 0x00F000F000F000F0
+    out |= moved
+    np.left_shift(words, 4, out=moved)
+    moved &= 0x0F000F000F000F00
+    out |= moved
+    return out
+
+
+def _lane_nibbles(words: np.ndarray) -> np.ndarray:
+    """Per 8 source bytes (a[0..3], c[0..3]): low 4 bytes <- low nibbles (a[b] | c[b] << 4), high 4 <- high."""
+    out = words & 0xF0F0F0F00F0F0F0F
+    moved = words >> 28
+    moved &= 0x00000000F0F0F0F0
+    out |= moved
+    np.left_shift(words, 28, out=moved)
+    moved &= 0x0F0F0F0F00000000
+    out |= moved
+    return out
+
+
+def _nibbles(src: np.ndarray, target: np.ndarray, fmt: WeightFormat, int8_layout: bool) -> None:
+    """Each sub-block's nibbles into target [T, nb, subs, 256 bytes]: pack's [i][col] bytes (weights
+    2i, 2i+1) or pack_int8's [g][col] 4-byte lanes (weights 8g+b, 8g+4+b)."""
+    tiles, _, num_blocks, _ = src.shape
+    lead = (tiles, num_blocks)
+    at = _QUANTS_AT[fmt]
+    span = 16 if block_weights(fmt) == 32 else 128
+    words = np.ascontiguousarray(src[..., at : at + span]).view(np.uint64)
+    if int8_layout:
+        units = _lane_nibbles(words).view(np.uint32)  # per 8 source bytes: (low, high) lanes
+        per_run = 4  # units per 32 source bytes and side
+        target = target.view(np.uint32)
+    else:
+        units = _pair_nibbles(words).view(np.uint8)  # per 2 source bytes: (low, high) bytes
+        per_run = 16
+    cols = TILE_COLUMNS
+    if span == 16:  # legacy: weights 0..15 the low nibbles of 16 bytes, 16..31 the high ones
+        # source [col, unit, side] -> one sub-block: [side, unit, col]
+        units = units.reshape(tiles, cols, num_blocks, per_run // 2, 2)
+        _into(target, (*lead, 2, per_run // 2, cols), units.transpose(0, 2, 4, 3, 1))
+    elif fmt is WeightFormat.Q6_K:  # sub-block 4h + 2e + a: side e of ql's 32 bytes at 64h + 32a
+        units = units.reshape(tiles, cols, num_blocks, 2, 2, per_run, 2)  # [col, h, a, unit, side e]
+        _into(target, (*lead, 2, 2, 2, per_run, cols), units.transpose(0, 2, 3, 6, 4, 5, 1))
+    else:  # Q4_K / Q5_K: sub-block 2c + e: side e of qs's 32 bytes at 32c
+        units = units.reshape(tiles, cols, num_blocks, 4, per_run, 2)  # [col, c, unit, side e]
+        _into(target, (*lead, 4, 2, per_run, cols), units.transpose(0, 2, 3, 5, 4, 1))
+
+
+def _swap_index_bits(words: np.ndarray, low: int, high: int) -> np.ndarray:
+    """Exchange the bits whose positions differ only in position bits `low` and `high` (a delta swap):
+    the bit at position p moves to p with those two position bits exchanged."""
+    width = words.itemsize * 8
+    delta = (1 << high) - (1 << low)
+    mask = sum(1 << p for p in range(width) if (p >> low) & 1 and not (p >> high) & 1)
+    moved = words >> delta
+    moved ^= words
+    moved &= mask
+    out = words ^ moved
+    moved <<= delta
+    out ^= moved
+    return out
+
+
+def _int8_lanes(exact: np.ndarray) -> np.ndarray:
+    """uint32 words with bit e = weight e's 5th bit -> pack_int8's: byte b, bit g = weight 8g + b's,
+    bit 4 + g = weight 8g + 4 + b's (positions 8g + 4h + b -> 8b + 4h + g)."""
+    return _swap_index_bits(_swap_index_bits(exact, 0, 3), 1, 4)
+
+
+def _transpose_pairs(words: np.ndarray) -> np.ndarray:
+    """uint32 words as 4 bytes x 4 two-bit fields -> byte i field j <- byte j field i."""
+    return _swap_index_bits(_swap_index_bits(words, 1, 3), 2, 4)
+
+
+def _high_bits(src: np.ndarray, target: np.ndarray, fmt: WeightFormat, int8_layout: bool) -> None:
+    """Each sub-block's bits above the nibbles into target [T, nb, subs, high bytes] (see quant_ops)."""
+    tiles, cols, num_blocks, _ = src.shape
+    lead = (tiles, num_blocks)
+    if fmt in (WeightFormat.Q5_0, WeightFormat.Q5_1):
+        at = 2 if fmt is WeightFormat.Q5_0 else 4
+        qh = src[..., at : at + 4]  # a uint32 per column: bit e = weight e's 5th bit, as pack stores it
+        if not int8_layout:
+            _into(target, (*lead, cols, 4), qh.transpose(0, 2, 1, 3))
+            return
+        lanes = _int8_lanes(np.ascontiguousarray(qh).view(np.uint32)[..., 0])  # [T, col, nb]
+        _into(target.view(np.uint32), (*lead, cols), lanes.transpose(0, 2, 1))
+    elif fmt is WeightFormat.Q5_K:
+        # qh[l] bit s = weight 32s + l's 5th bit; per 8 bytes l = 8q + j, transpose the 8x8 bit matrix
+        # (position 8j + s -> 8s + j): byte s of word q = sub-block s's bits of weights 8q..8q+7
+        words = np.ascontiguousarray(src[..., 16:48]).view(np.uint64)  # [T, col, nb, q]
+        for low in range(3):
+            words = _swap_index_bits(words, low, low + 3)
+        by_sub = words.view(np.uint8).reshape(tiles, cols, num_blocks, 4, 8)  # [col, q, s]
+        if not int8_layout:  # sub-block s: a uint32 per column whose byte q is word q's byte s
+            _into(target, (*lead, 8, cols, 4), by_sub.transpose(0, 2, 4, 1, 3))
+            return
+        exact = np.ascontiguousarray(by_sub.transpose(0, 1, 2, 4, 3)).view(np.uint32)[..., 0]  # [T, col, nb, s]
+        _into(target.view(np.uint32), (*lead, 8, cols), _int8_lanes(exact).transpose(0, 2, 3, 1))
+    else:  # Q6_K: qh[32h + l] bits 2m = weight l of sub-block 4h + m
+        # as uint32 words w = 4v + r of half h: byte t, field m = weight 16v + 4r + t; transposed,
+        # byte m field t: pack's byte r of row v for sub-block (h, m)
+        words = _transpose_pairs(np.ascontiguousarray(src[..., 128:192]).view(np.uint32))
+        by_sub = words.view(np.uint8).reshape(tiles, cols, num_blocks, 2, 2, 4, 4)  # [col, h, v, r, m]
+        if not int8_layout:  # [h, m] sub-block: [v, col, r]
+            _into(target, (*lead, 2, 4, 2, cols, 4), by_sub.transpose(0, 2, 3, 6, 4, 1, 5))
+            return
+        # pack_int8's word (sub-block, v): byte b field p ^ 2 = weight 16v + 4p + b, i.e. pack's word
+        # with bytes and fields exchanged, then each byte's nibbles swapped (field p -> p ^ 2)
+        exact = np.ascontiguousarray(by_sub.transpose(0, 1, 2, 3, 6, 4, 5)).view(np.uint32)[..., 0]
+        lanes = _transpose_pairs(exact)  # [T, col, nb, h, m, v]
+        swapped = (lanes >> 4) & 0x0F0F0F0F
+        swapped |= (lanes << 4) & 0xF0F0F0F0
+        _into(target.view(np.uint32), (*lead, 2, 4, 2, cols), swapped.transpose(0, 2, 3, 4, 5, 1))
