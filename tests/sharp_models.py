@@ -9,6 +9,9 @@ trained-like scale instead (per family, `sharpen`):
 - every norm weight near 1 but not 1 (N(1, 0.2); Gemma stores 1 + w, so w ~ N(0, 0.2));
 - embeddings and head scaled so the last logits spread by several units, biases O(1).
 
+Those scales are for a 64-wide model; a wider one (bench/conformance.py's 256, for K-quant rows)
+gets the q/k, head and Gemma embedding stds times sqrt(64 / hidden), so the spreads stay the same.
+
 `attention_profile` measures what this buys (mean top attention probability per layer).
 
 The tokenizer is a SentencePiece BPE model (`tokenizer.model`) trained in-process: every
@@ -30,6 +33,7 @@ VOCAB_SIZE = 512
 QK_STD = 0.25  # q/k rows on a 64-wide input: components ~2, logits ~4 after the 1/sqrt(d) scale
 QK_NORM_MEAN = 2.0  # per-head q/k RMSNorm weights (Qwen3, Gemma 3): the same ~4 logit std
 NORM_STD = 0.2
+REFERENCE_WIDTH = 64  # the hidden size the stds above are set for
 
 
 def spm_corpus() -> list[str]:
@@ -80,9 +84,10 @@ def sharpen(model: torch.nn.Module, config: Any, generator: torch.Generator) -> 
     q_rows = config.num_attention_heads * head_dim
     kv_rows = config.num_key_value_heads * head_dim
     norm_offset = 0.0 if _gemma(config) else 1.0
+    width = (REFERENCE_WIDTH / hidden) ** 0.5  # exactly 1.0 at 64: the tests' weights are unchanged
     # Gemma multiplies embeddings by sqrt(hidden) (x8 here): at 0.25 the embedding outweighed the
     # layers and greedy output repeated the last prompt token whatever RoPE said
-    embed_std = 0.05 if _gemma(config) else 0.5
+    embed_std = 0.05 * width if _gemma(config) else 0.5
 
     def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
         return mean + std * torch.randn(shape, generator=generator)
@@ -97,12 +102,12 @@ def sharpen(model: torch.nn.Module, config: Any, generator: torch.Generator) -> 
             elif name.endswith("embed_tokens.weight"):
                 value = normal(shape, embed_std)
             elif name.endswith("lm_head.weight"):
-                value = normal(shape, 0.5)  # logits std ~4 on a unit-rms input
+                value = normal(shape, 0.5 * width)  # logits std ~4 on a unit-rms input
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                value = normal(shape, QK_STD)
+                value = normal(shape, QK_STD * width)
             elif name.endswith("qkv_proj.weight"):  # Phi-3: q and k rows sharp, v rows plain
                 value = torch.cat(
-                    [normal((q_rows + kv_rows, shape[1]), QK_STD), normal((kv_rows, shape[1]), hidden**-0.5)]
+                    [normal((q_rows + kv_rows, shape[1]), QK_STD * width), normal((kv_rows, shape[1]), hidden**-0.5)]
                 )
             elif name.endswith(".bias"):
                 value = normal(shape, 0.5)
