@@ -12,35 +12,16 @@ from pathlib import Path
 import torch
 
 from ifb.builder.errors import SourceError
+from ifb.builder.families import family_of
+from ifb.builder.families.family import HF_LAYER_LINEARS
 from ifb.builder.gguf_tensors import TensorInfo, biased_modules
 from ifb.runtime.engine_format import ModelSpec
 
-_LAYER_LINEARS = {
-    "attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down": ("mlp.down_proj",),
-}
-# Phi-3 checkpoints store both fused, in our row order (q, k, v; gate, up)
-_FUSED_LAYER_LINEARS = {
-    **_LAYER_LINEARS,
-    "attn.qkv": ("self_attn.qkv_proj",),
-    "mlp.gate_up": ("mlp.gate_up_proj",),
-}
-FUSED_ARCHITECTURES = ("phi3",)
-_LAYER_NORMS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
-# Gemma 3's four: its post_attention_layernorm norms the attention's output, pre_feedforward the MLP's input
-_SANDWICH_NORMS = {
-    "input_norm": "input_layernorm",
-    "attn_out_norm": "post_attention_layernorm",
-    "post_norm": "pre_feedforward_layernorm",
-    "mlp_out_norm": "post_feedforward_layernorm",
-}
 _TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 class CheckpointTensors:
-    """The tensors of an HF Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 3 checkpoint folder, read on demand (all dense)."""
+    """The tensors of an HF checkpoint folder under its family's names, read on demand (all dense)."""
 
     def __init__(self, folder: Path, spec: ModelSpec) -> None:
         from safetensors import SafetensorError, safe_open
@@ -65,7 +46,7 @@ class CheckpointTensors:
 
     def _linear_parts(self) -> dict[str, tuple[str, ...]]:
         parts: dict[str, tuple[str, ...]] = {}
-        layer_linears = _FUSED_LAYER_LINEARS if self.spec.architecture in FUSED_ARCHITECTURES else _LAYER_LINEARS
+        layer_linears = family_of(self.spec.architecture).hf_layer_linears
         for i in range(self.spec.num_layers):
             for module, names in layer_linears.items():
                 parts[f"layers.{i}.{module}"] = tuple(f"model.layers.{i}.{name}.weight" for name in names)
@@ -78,7 +59,7 @@ class CheckpointTensors:
             "embed.weight": ("model.embed_tokens.weight",),
             "norm.weight": ("model.norm.weight",),
         }
-        layer_norms = _SANDWICH_NORMS if self.spec.sandwich_norms else _LAYER_NORMS
+        layer_norms = family_of(self.spec.architecture).hf_layer_norms
         for i in range(self.spec.num_layers):
             for ours, theirs in layer_norms.items():
                 parts[f"layers.{i}.{ours}.weight"] = (f"model.layers.{i}.{theirs}.weight",)
@@ -86,7 +67,7 @@ class CheckpointTensors:
                 for norm in ("q_norm", "k_norm"):
                     parts[f"layers.{i}.attn.{norm}.weight"] = (f"model.layers.{i}.self_attn.{norm}.weight",)
             for module in biased_modules(self.spec):
-                names = _LAYER_LINEARS[module]
+                names = HF_LAYER_LINEARS[module]
                 parts[f"layers.{i}.{module}.bias"] = tuple(f"model.layers.{i}.{name}.bias" for name in names)
         return parts
 

@@ -17,7 +17,8 @@ from ifb.builder.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-# Read by transformers' GGUF reader, sources.gguf_config or here: the model's shapes and constants
+# Read by transformers' GGUF reader, the families or here: the model's shapes and constants
+# (a family's own keys are its `gguf_keys`, builder/families/)
 UNDERSTOOD_KEYS = (
     "context_length",
     "embedding_length",
@@ -43,11 +44,6 @@ UNDERSTOOD_KEYS = (
     "rope.scaling.yarn_log_multiplier",
     "rope.scale_linear",  # the old name of rope.scaling.factor
 )
-# Per architecture, what sources.gguf_config reads besides
-ARCHITECTURE_KEYS: dict[str, tuple[str, ...]] = {
-    "gemma2": ("attn_logit_softcapping", "final_logit_softcapping"),
-    "gemma3": ("rope.freq_base_swa", "final_logit_softcapping"),
-}
 # Key prefixes whose unread keys would change the computation: refused rather than dropped
 MATH_PREFIXES = ("attention.", "rope.", "expert", "ssm.", "wkv.", "moe", "nextn", "shortconv.", "posnet.", "convnext.")
 MATH_KEYS = (
@@ -81,9 +77,6 @@ _OFF_VALUES: dict[str, Any] = {
 _EXPERT_TENSOR_MARKS = ("ffn_gate_inp", "_exps", "_shexp", "_chexps")
 # llama.cpp's RoPE factors: one per rotary pair, the inverse frequencies divided by them
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
-ROPE_FREQS_ARCHITECTURES = ("llama", "smollm3", "qwen2", "qwen3")
-# Phi-3's LongRoPE factors (sources._phi3_rope)
-LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def field_value(reader: Any, key: str) -> Any:
@@ -92,11 +85,12 @@ def field_value(reader: Any, key: str) -> Any:
     return None if field is None else field.contents()
 
 
-def refuse_unread_keys(reader: Any, architecture: str) -> None:
+def refuse_unread_keys(reader: Any, architecture: str, family_keys: tuple[str, ...]) -> None:
     """Refuse, by name, each `{arch}.*` key that changes llama.cpp's computation and that the
-    builder does not apply (a mixture of experts first, named as one); warn once of the others."""
+    builder does not apply (a mixture of experts first, named as one); warn once of the others.
+    `family_keys`: the keys the architecture's family reads besides every family's."""
     prefix = f"{architecture}."
-    understood = set(UNDERSTOOD_KEYS) | set(ARCHITECTURE_KEYS.get(architecture, ()))
+    understood = set(UNDERSTOOD_KEYS) | set(family_keys)
     _refuse_experts(reader, architecture)
     refused, unread = [], []
     for key in reader.fields:
@@ -135,18 +129,18 @@ def _refuse_experts(reader: Any, architecture: str) -> None:
         )
 
 
-def rope_scaling_parameters(reader: Any, architecture: str) -> dict[str, Any]:
+def rope_scaling_parameters(reader: Any, architecture: str, also: tuple[str, ...] = ()) -> dict[str, Any]:
     """The file's `rope.scaling.*` keys as transformers' `rope_parameters` entries (empty: plain
     RoPE). llama.cpp applies a factor without a type (or the old `rope.scale_linear`) as linear;
     YaRN's keys are the converter's copies of the checkpoint's `rope_parameters`, so transformers'
-    YaRN on them is the HF folder's. LongRoPE is Phi-3's (sources._phi3_rope); anything else is
-    refused by name."""
+    YaRN on them is the HF folder's. `also`: the types the caller's family reads itself (Phi-3's
+    longrope, from tensors), returned empty; anything else is refused by name."""
     prefix = f"{architecture}.rope."
     kind = field_value(reader, prefix + "scaling.type")
     factor = field_value(reader, prefix + "scaling.factor")
     if factor is None:
         factor = field_value(reader, prefix + "scale_linear")
-    if kind == "longrope" and architecture == "phi3":
+    if kind in also:
         return {}
     if kind in (None, "none", "linear"):
         if factor is None or float(factor) in (0.0, 1.0):
@@ -154,8 +148,8 @@ def rope_scaling_parameters(reader: Any, architecture: str) -> dict[str, Any]:
         return {"rope_type": "linear", "factor": float(factor)}
     if kind != "yarn":
         raise UnsupportedModelError(
-            f"GGUF {prefix}scaling.type {kind!r} is not supported on {architecture}; supported: none, linear, yarn"
-            + (", longrope" if architecture == "phi3" else "")
+            f"GGUF {prefix}scaling.type {kind!r} is not supported on {architecture}; supported: "
+            + ", ".join(("none", "linear", "yarn", *also))
         )
     return _yarn_parameters(reader, prefix, factor)
 
@@ -190,14 +184,14 @@ def _yarn_parameters(reader: Any, prefix: str, factor: Any) -> dict[str, Any]:
     return params
 
 
-def rope_freq_factors(reader: Any, architecture: str) -> tuple[float, ...] | None:
+def rope_freq_factors(reader: Any, architecture: str, applied: bool) -> tuple[float, ...] | None:
     """llama.cpp's `rope_freqs.weight` (its converter's form of Llama 3's `llama3` scaling, with
     no metadata key): one factor per rotary pair, each inverse frequency divided by its factor.
-    Refused on architectures whose graph we do not know to apply it."""
+    Refused unless `applied` (families whose llama.cpp graph we know to apply it)."""
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
     if tensor is None:
         return None
-    if architecture not in ROPE_FREQS_ARCHITECTURES:
+    if not applied:
         raise UnsupportedModelError(f"GGUF tensor {ROPE_FREQS_TENSOR} is not supported on {architecture}")
     if tensor.tensor_type.name != "F32":
         raise UnsupportedModelError(f"GGUF tensor {ROPE_FREQS_TENSOR} is {tensor.tensor_type.name}; expected F32")

@@ -7,10 +7,11 @@ kernel, dequantized by `gguf.quants`). So the build's memory is the engine's wei
 module in flight, not the ~20x of a dequantizing loader (a 1B Q4_K_M peaked at 24 GB through
 transformers' GGUF loader and was killed).
 
-Names: a fused module (qkv, gate_up) is the row concatenation of its GGUF tensors. llama.cpp
-writes Llama's attn_q/attn_k rows permuted for its rotary layout; we undo it with the row
-permutation transformers' GGUF loader applies (`_reverse_permute_weights`), and since a row of
-blocks is a row of weights, permuting block rows is exact.
+Names (the family's, builder/families/): a fused module (qkv, gate_up) is the row concatenation of
+its GGUF tensors. llama.cpp writes Llama's attn_q/attn_k rows permuted for its rotary layout
+(`Family.gguf_permuted_qk`); we undo it with the row permutation transformers' GGUF loader applies
+(`_reverse_permute_weights`), and since a row of blocks is a row of weights, permuting block rows
+is exact. Norm weights stored as (1 + w) (`Family.gguf_norm_offset`) are read as w.
 """
 
 from __future__ import annotations
@@ -25,29 +26,13 @@ import numpy as np
 import torch
 
 from ifb.builder.errors import SourceError
-from ifb.builder.gguf_metadata import LONGROPE_TENSORS, ROPE_FREQS_ARCHITECTURES, ROPE_FREQS_TENSOR
+from ifb.builder.families import Family, gguf_family
+from ifb.builder.families.family import GGUF_LAYER_LINEARS
 from ifb.plugins.quant_formats import GGUF_TYPE_NAMES, WeightFormat
 from ifb.runtime.engine_format import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-PERMUTED_ARCHITECTURES = ("llama", "smollm3")  # those whose q/k rows llama.cpp's converter permutes
-_LAYER_LINEARS = {
-    "attn.qkv": ("attn_q", "attn_k", "attn_v"),
-    "attn.o_proj": ("attn_output",),
-    "mlp.gate_up": ("ffn_gate", "ffn_up"),
-    "mlp.down": ("ffn_down",),
-}
-# llama.cpp's Phi-3 converter keeps the checkpoint's fused tensors: attn_qkv, and ffn_up holding
-# gate then up (its graph splits it in halves for SwiGLU), both in our row order
-_FUSED_LAYER_LINEARS = {**_LAYER_LINEARS, "attn.qkv": ("attn_qkv",), "mlp.gate_up": ("ffn_up",)}
-FUSED_ARCHITECTURES = ("phi3",)
-_LAYER_NORMS = {"input_norm": "attn_norm", "post_norm": "ffn_norm"}
-# llama.cpp's Gemma 2/3 names for the sandwich's output norms (ffn_norm stays the MLP's input norm)
-_SANDWICH_NORMS = {**_LAYER_NORMS, "attn_out_norm": "post_attention_norm", "mlp_out_norm": "post_ffw_norm"}
-# llama.cpp's Gemma converters store every RMSNorm weight as (1 + w), the scale its graph
-# multiplies by; our network adds the 1 itself (ModelSpec.norm_weight_offset), so it is taken off
-NORM_SHIFTED_ARCHITECTURES = ("gemma2", "gemma3")
 _DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 # llama.cpp's activation block type Q8_K (no weight of a released file is stored so, but nothing
 # stops a file): bytes per block, its scale's type and where its int8 values start; dequantized
@@ -57,23 +42,17 @@ _Q8_ACTIVATION_TYPES = {"Q8_K": (292, np.float32, 4)}
 _REFUSED_TYPES = {
     "Q8_1": "gguf-py sizes its blocks as 40 bytes where ggml writes 36, so its bytes cannot be trusted",
 }
-# Tensors the config reads (sources.gguf_config: RoPE factors), by the architectures that read them
-_CONFIG_TENSORS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(ROPE_FREQS_ARCHITECTURES, (ROPE_FREQS_TENSOR,)),
-    "phi3": LONGROPE_TENSORS,
-}
 # Tensors llama.cpp's graph does not read either, and why: named in one build warning
 _UNNEEDED_TENSORS = {
     ".attn_rot_embd.weight": "a rotary table of early conversions; RoPE is computed from rope.freq_base",
 }
 
 
-def linear_parts(spec: ModelSpec, tensor_names: set[str]) -> dict[str, tuple[str, ...]]:
+def linear_parts(spec: ModelSpec, family: Family, tensor_names: set[str]) -> dict[str, tuple[str, ...]]:
     """Our linear module name -> the GGUF tensor names whose rows it concatenates, in order."""
     parts: dict[str, tuple[str, ...]] = {}
-    layer_linears = _FUSED_LAYER_LINEARS if spec.architecture in FUSED_ARCHITECTURES else _LAYER_LINEARS
     for i in range(spec.num_layers):
-        for module, names in layer_linears.items():
+        for module, names in family.gguf_layer_linears.items():
             parts[f"layers.{i}.{module}"] = tuple(f"blk.{i}.{name}.weight" for name in names)
     untied = not spec.tie_word_embeddings and "output.weight" in tensor_names
     parts["lm_head"] = ("output.weight",) if untied else ("token_embd.weight",)
@@ -91,10 +70,10 @@ def biased_modules(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(module for module, has_bias in biased.items() if has_bias)
 
 
-def dense_parts(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
+def dense_parts(spec: ModelSpec, family: Family) -> dict[str, tuple[str, ...]]:
     """Our non-linear tensor names (norms, biases, the embedding table) -> GGUF tensor names."""
     parts: dict[str, tuple[str, ...]] = {"embed.weight": ("token_embd.weight",), "norm.weight": ("output_norm.weight",)}
-    layer_norms = _SANDWICH_NORMS if spec.sandwich_norms else _LAYER_NORMS
+    layer_norms = family.gguf_layer_norms
     for i in range(spec.num_layers):
         for ours, theirs in layer_norms.items():
             parts[f"layers.{i}.{ours}.weight"] = (f"blk.{i}.{theirs}.weight",)
@@ -102,7 +81,7 @@ def dense_parts(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
             for norm in ("q_norm", "k_norm"):
                 parts[f"layers.{i}.attn.{norm}.weight"] = (f"blk.{i}.attn_{norm}.weight",)
         for module in biased_modules(spec):
-            parts[f"layers.{i}.{module}.bias"] = tuple(f"blk.{i}.{name}.bias" for name in _LAYER_LINEARS[module])
+            parts[f"layers.{i}.{module}.bias"] = tuple(f"blk.{i}.{name}.bias" for name in GGUF_LAYER_LINEARS[module])
     return parts
 
 
@@ -138,17 +117,18 @@ class GgufTensors:
             raise SourceError(f"cannot read GGUF tensors of {path}: {error}") from error
         self._tensors: dict[str, Any] = {t.name: t for t in self._reader.tensors}
         self.spec = spec
-        self.permute = _architecture(self._reader) in PERMUTED_ARCHITECTURES
-        self.norm_shift = 1.0 if _architecture(self._reader) in NORM_SHIFTED_ARCHITECTURES else 0.0
-        self.linears = linear_parts(spec, set(self._tensors))
-        self.dense = dense_parts(spec)
+        # the file's family (a Mistral is written as a Llama): its names, permutation and offsets
+        family = gguf_family(_architecture(self._reader))
+        self.permute = family.gguf_permuted_qk
+        self.norm_shift = family.gguf_norm_offset
+        self.linears = linear_parts(spec, family, set(self._tensors))
+        self.dense = dense_parts(spec, family)
         needed = {name for names in (*self.linears.values(), *self.dense.values()) for name in names}
         missing = sorted(needed - set(self._tensors))
         if missing:
             raise SourceError(f"{path} lacks tensors the {spec.architecture} network needs: {', '.join(missing[:8])}")
-        architecture = _architecture(self._reader)
         _account_for_the_rest(
-            path, architecture, set(self._tensors) - needed - set(_CONFIG_TENSORS.get(architecture, ()))
+            path, _architecture(self._reader), set(self._tensors) - needed - set(family.gguf_config_tensors)
         )
         _refuse_unreadable_types(path, [self.info(name) for name in sorted(needed)])
 

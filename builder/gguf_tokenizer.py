@@ -26,6 +26,7 @@ import numpy as np
 
 from ifb.builder.bpe_merges import derived_merges
 from ifb.builder.errors import SourceError
+from ifb.builder.families import VocabularyStyle, vocabulary_style
 from ifb.builder.gguf_fields import read_gguf_fields
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ SPLIT_PRE_TOKENIZERS: dict[str, str] = {
 # llama.cpp, which changes no id of SmolLM/SmolLM2 (none of their merges holds a digit) and is what
 # transformers' conversion does too.
 GPT2_PRE_TOKENIZERS = ("default", "gpt-2", "gpt2", "smollm")
-GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # the default special tokens of the tokenizer class transformers builds each kind with; added as special
 # tokens where the vocabulary has them, as that class's constructor does
 _CLASS_SPECIALS = {
@@ -206,7 +206,8 @@ def _sentencepiece_backend(vocabulary: GgufVocabulary) -> Any:
     Llama's shape, or Gemma's and Phi-3's (chosen by architecture, as transformers does)."""
     from tokenizers import decoders, normalizers, pre_tokenizers
 
-    gemma = vocabulary.architecture in GEMMA_ARCHITECTURES
+    style = vocabulary_style(vocabulary.architecture)
+    gemma = style is VocabularyStyle.GEMMA
     tokens = vocabulary.tokens
     if gemma:  # Gemma files spell whitespace-only pieces with real spaces; the model's pieces use ▁
         tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
@@ -230,7 +231,7 @@ def _sentencepiece_backend(vocabulary: GgufVocabulary) -> Any:
         backend.decoder = decoders.Sequence(decode)
     else:
         backend = _bpe_tokenizer(vocab, merges, unk_token=None, fuse_unk=True, byte_fallback=True)
-        if vocabulary.architecture == "phi3":  # the prefix space from a normalizer, as Phi-3's tokenizer.json
+        if style is VocabularyStyle.PHI3:  # the prefix space from a normalizer, as Phi-3's tokenizer.json
             backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
         else:
             backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="first", split=False)
@@ -297,7 +298,7 @@ def _wrap(backend: Any, vocabulary: GgufVocabulary) -> Any:
     if vocabulary.chat_template is not None:
         kwargs["chat_template"] = vocabulary.chat_template
     if (
-        vocabulary.architecture in GEMMA_ARCHITECTURES
+        vocabulary_style(vocabulary.architecture) is VocabularyStyle.GEMMA
         and vocabulary.model == "llama"
         and backend.token_to_id("<mask>") is not None
     ):

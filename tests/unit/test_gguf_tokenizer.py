@@ -117,9 +117,9 @@ def transformers_tokenizer(path: Path) -> Any:
     """transformers' conversion, as `ifb build` called it (with SmolLM3's architecture taught first)."""
     from transformers import AutoTokenizer
 
-    from ifb.builder.sources import _register_llama_shaped_gguf_architectures
+    from ifb.builder.families import register_llama_shaped_gguf_architectures
 
-    _register_llama_shaped_gguf_architectures()
+    register_llama_shaped_gguf_architectures()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 

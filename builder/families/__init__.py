@@ -1,0 +1,72 @@
+"""The model families ifb builds, one module each, and the one registry that finds them.
+
+A source's family is found by its HF config's `model_type` or its GGUF's `general.architecture`;
+everything the builder knows of that family (config -> ModelSpec, GGUF keys and tensor names,
+fixes and refusals) is its class. Adding a family: docs/design.md §7.
+"""
+
+from __future__ import annotations
+
+from ifb.builder.errors import UnsupportedModelError
+from ifb.builder.families.family import Family, VocabularyStyle, WindowRule
+from ifb.builder.families.gemma2 import Gemma2
+from ifb.builder.families.gemma3 import Gemma3
+from ifb.builder.families.llama import Llama
+from ifb.builder.families.mistral import Mistral
+from ifb.builder.families.phi3 import Phi3
+from ifb.builder.families.qwen2 import Qwen2
+from ifb.builder.families.qwen3 import Qwen3
+from ifb.builder.families.smollm3 import SmolLM3
+
+__all__ = ["FAMILIES", "Family", "VocabularyStyle", "WindowRule", "family_of", "gguf_family"]
+
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (Llama(), Mistral(), Qwen2(), Qwen3(), SmolLM3(), Phi3(), Gemma2(), Gemma3())
+}
+_BY_GGUF_ARCHITECTURE: dict[str, Family] = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
+
+
+def family_of(model_type: str | None, architectures: list[str] | None = None) -> Family:
+    """The family of a transformers config's model_type; refused by name when there is none."""
+    family = FAMILIES.get(model_type or "")
+    if family is None:
+        shown = (architectures or [str(model_type)])[0]
+        raise UnsupportedModelError(
+            f"architecture {shown!r} (model_type={model_type!r}) is not supported; "
+            f"supported model types: {', '.join(sorted(FAMILIES))}"
+        )
+    return family
+
+
+def gguf_family(architecture: str) -> Family:
+    """The family of a GGUF's `general.architecture`; refused by name when there is none."""
+    family = _BY_GGUF_ARCHITECTURE.get(architecture)
+    if family is None:
+        raise UnsupportedModelError(
+            f"GGUF architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(sorted(_BY_GGUF_ARCHITECTURE))}"
+        )
+    return family
+
+
+def vocabulary_style(gguf_architecture: str) -> VocabularyStyle:
+    """How a GGUF's SentencePiece vocabulary becomes a tokenizer (Llama's where the family is unknown)."""
+    family = _BY_GGUF_ARCHITECTURE.get(gguf_architecture)
+    return family.vocabulary if family is not None else VocabularyStyle.LLAMA
+
+
+def register_llama_shaped_gguf_architectures() -> None:
+    """Teach transformers' GGUF reader (config, tokenizer, weights) the names llama.cpp writes
+    exactly as Llama that it does not list (SmolLM3): read with the Llama tables."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.integrations import ggml
+
+    for family in FAMILIES.values():
+        if not family.llama_shaped_gguf:
+            continue
+        name = family.gguf_name
+        ggml.GGUF_CONFIG_MAPPING.setdefault(name, ggml.GGUF_CONFIG_MAPPING["llama"])
+        gguf_utils.TENSOR_PROCESSORS.setdefault(name, gguf_utils.TENSOR_PROCESSORS["llama"])
+        if name not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:
+            gguf_utils.GGUF_SUPPORTED_ARCHITECTURES.append(name)
