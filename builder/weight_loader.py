@@ -15,7 +15,7 @@ mapped source, so the build holds the engine's weights plus one module in flight
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +30,8 @@ from ifb.runtime.step.segmented_linear import part_formats, part_key, segment_pa
 
 logger = logging.getLogger(__name__)
 
-Packer = Callable[[torch.Tensor, WeightFormat, int, int], torch.Tensor]  # quant_ops.pack / pack_int8
+# quant_ops.pack / pack_int8: rows of blocks, or a fused module's parts of them
+Packer = Callable[[torch.Tensor | Sequence[torch.Tensor], WeightFormat, int, int], torch.Tensor]
 
 
 class TensorSource(Protocol):
@@ -177,11 +178,11 @@ def _stored_linear(
     if fmt is WeightFormat.FP32:
         yield f"{module}.weight", source.fused_fp32(names)
         return
+    rows: torch.Tensor | list[torch.Tensor]
     if plan.quantized_from is not None:
         rows = quantize(source.fused_fp32(names), fmt)
-    else:
-        parts = [source.block_rows(name) for name in names]
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    else:  # a fused module's parts are packed as one, never concatenated (a copy of every weight)
+        rows = [source.block_rows(name) for name in names]
     n = sum(source.info(name).rows for name in names)
     k = source.info(names[0]).cols
     yield f"{module}.packed", packer(rows, fmt, n, k)

@@ -47,6 +47,8 @@ the proxy executor: see quant_build.py for the load order the runtime needs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ifb.plugins.quant_formats import (
@@ -190,12 +192,13 @@ def quant_embedding(
     return torch.ops.ifb_quant.quant_embedding(ids, packed, kernel_format(fmt), WeightCompute(compute).value, n, k)
 
 
-def pack(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
-    """GGUF rows of blocks uint8 [n, k/block_weights * block_bytes] -> the exact kernel's tiles."""
+def pack(blocks: torch.Tensor | Sequence[torch.Tensor], fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
+    """GGUF rows of blocks uint8 [n, k/block_weights * block_bytes] (or those rows in row-wise parts,
+    packed as their concatenation) -> the exact kernel's tiles."""
     return pack_tiles(blocks, fmt, n, k, int8_layout=False)
 
 
-def pack_int8(blocks: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
+def pack_int8(blocks: torch.Tensor | Sequence[torch.Tensor], fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
     """GGUF rows of blocks -> the int8-compute kernel's tiles (same shape as `pack`'s, bytes rearranged)."""
     return pack_tiles(blocks, fmt, n, k, int8_layout=True)
 

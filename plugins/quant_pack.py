@@ -18,6 +18,7 @@ temporaries stay a few times that whatever the tensor's size (a 128k-row head in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -60,7 +61,7 @@ def num_tiles(n: int) -> int:
 
 
 def pack_tiles(
-    blocks: torch.Tensor,
+    blocks: torch.Tensor | Sequence[torch.Tensor],
     fmt: WeightFormat,
     n: int,
     k: int,
@@ -69,29 +70,37 @@ def pack_tiles(
     workers: int | None = None,
 ) -> torch.Tensor:
     """GGUF rows uint8 [n, k/block_weights * block_bytes] -> uint8 [ceil(n/16), k/block_weights * 16 *
-    block_bytes] tiles: `pack`'s exact layout, or `pack_int8`'s with `int8_layout`. Chunks of about
-    `chunk_bytes` of blocks are packed by `workers` threads (default: torch's intra-op threads)."""
+    block_bytes] tiles: `pack`'s exact layout, or `pack_int8`'s with `int8_layout`.
+
+    `blocks` may be the rows in parts (a fused module's q, k, v as the file holds them): packed as
+    their concatenation without making it. Chunks of about `chunk_bytes` of blocks are packed by
+    `workers` threads (default: torch's intra-op threads)."""
     size, weights = block_bytes(fmt), block_weights(fmt)
     num_blocks = k // weights
-    if k % weights or blocks.shape != (n, num_blocks * size) or blocks.dtype != torch.uint8:
+    parts = [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
+    shapes = [tuple(part.shape) for part in parts]
+    width = num_blocks * size
+    if (
+        k % weights
+        or not parts
+        or any(len(shape) != 2 or shape[1] != width for shape in shapes)
+        or sum(shape[0] for shape in shapes) != n
+        or any(part.dtype != torch.uint8 for part in parts)
+    ):
+        got = shapes[0] if isinstance(blocks, torch.Tensor) else shapes
         raise ValueError(
-            f"expected uint8 [{n}, {num_blocks * size}] {fmt.value} blocks with K a multiple of {weights}, "
-            f"got {tuple(blocks.shape)} for K={k}"
+            f"expected uint8 [{n}, {width}] {fmt.value} blocks with K a multiple of {weights}, got {got} for K={k}"
         )
     if chunk_bytes < 1 or (workers is not None and workers < 1):
         raise ValueError(f"chunk_bytes and workers must be positive, got {chunk_bytes} and {workers}")
-    rows = blocks.detach().cpu().contiguous().numpy()
+    rows = _Rows([part.detach().cpu().contiguous().numpy() for part in parts])
     tiles = num_tiles(n)
     out = np.empty((tiles, num_blocks * TILE_COLUMNS * size), dtype=np.uint8)
-    step = max(1, chunk_bytes // max(1, TILE_COLUMNS * num_blocks * size))
+    step = max(1, chunk_bytes // max(1, TILE_COLUMNS * width))
 
     def pack_chunk(first: int) -> None:
         count = min(tiles, first + step) - first
-        src = rows[first * TILE_COLUMNS : (first + count) * TILE_COLUMNS]
-        if src.shape[0] < count * TILE_COLUMNS:  # the last tile's missing columns are zero blocks
-            padded = np.zeros((count * TILE_COLUMNS, rows.shape[1]), dtype=np.uint8)
-            padded[: src.shape[0]] = src
-            src = padded
+        src = rows.take(first * TILE_COLUMNS, count * TILE_COLUMNS)
         dst = out[first : first + count].reshape(count, num_blocks, TILE_COLUMNS * size)
         _pack_chunk(src.reshape(count, TILE_COLUMNS, num_blocks, size), dst, fmt, int8_layout)
 
@@ -105,6 +114,27 @@ def pack_tiles(
             for _ in pool.map(pack_chunk, firsts):  # re-raises a chunk's error
                 pass
     return torch.from_numpy(out)
+
+
+class _Rows:
+    """Row-wise parts read as one array: a chunk inside one part is a view of it, one across parts
+    or past the end (zero blocks padding the last tile) a copy of at most a chunk."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.starts = np.cumsum([0] + [part.shape[0] for part in parts]).tolist()
+
+    def take(self, first: int, count: int) -> np.ndarray:
+        for index, part in enumerate(self.parts):
+            start = self.starts[index]
+            if start <= first and first + count <= start + part.shape[0]:
+                return part[first - start : first - start + count]
+        out = np.zeros((count, self.parts[0].shape[1]), dtype=np.uint8)
+        for index, part in enumerate(self.parts):
+            lo, hi = max(first, self.starts[index]), min(first + count, self.starts[index + 1])
+            if lo < hi:
+                out[lo - first : hi - first] = part[lo - self.starts[index] : hi - self.starts[index]]
+        return out
 
 
 def _into(region: np.ndarray, shape: tuple[int, ...], values: np.ndarray) -> None:

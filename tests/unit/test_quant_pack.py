@@ -3,7 +3,8 @@
 Pins: for every block format the kernels read and both layouts (`pack`'s exact, `pack_int8`'s), the
 packed bytes are the reference's byte for byte — on seeded random bytes (every bit pattern of
 every field, scales included: packing never reads a value), with N not a multiple of 16 (a padded
-last tile), K of one and of several blocks, chunks of one tile and of many, one thread and several;
+last tile), K of one and of several blocks, chunks of one tile and of many, one thread and several,
+the rows whole or in parts (a fused module's);
 `quant_ops.pack` / `pack_int8` are that packer; a wrong shape is refused naming the expected one.
 """
 
@@ -64,9 +65,27 @@ def test_quant_ops_pack_is_the_fast_packer(fmt: WeightFormat) -> None:
     assert torch.equal(quant_ops.pack_int8(rows, fmt, n, k), pack_reference(rows, fmt, n, k, True))
 
 
+@pytest.mark.parametrize("fmt", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q8_0], ids=lambda f: f.value)
+def test_row_parts_pack_as_their_concatenation(fmt: WeightFormat) -> None:
+    """A fused module's parts (q 24 rows, k 5, v 19: tiles straddle parts) give the bytes of the rows
+    concatenated, one tile per chunk (chunks straddling parts) or all in one."""
+    num_blocks = 2
+    k = num_blocks * block_weights(fmt)
+    parts = [_random_rows(n, fmt, num_blocks, seed=20 + n) for n in (24, 5, 19)]
+    whole = torch.cat(parts)
+    for int8_layout in LAYOUTS.values():
+        expected = pack_reference(whole, fmt, whole.shape[0], k, int8_layout)
+        for chunk_bytes in (1, 1 << 20):
+            packed = pack_tiles(parts, fmt, whole.shape[0], k, int8_layout, chunk_bytes=chunk_bytes)
+            assert torch.equal(packed, expected), _first_difference(packed, expected)
+
+
 def test_a_wrong_shape_is_refused_naming_the_expected_one() -> None:
     rows = torch.zeros((16, 143), dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"expected uint8 \[16, 144\] q4_k blocks"):
         pack_tiles(rows, WeightFormat.Q4_K, 16, 256, int8_layout=False)
     with pytest.raises(ValueError, match="chunk_bytes and workers must be positive"):
         pack_tiles(torch.zeros((16, 144), dtype=torch.uint8), WeightFormat.Q4_K, 16, 256, False, workers=0)
+    parts = [torch.zeros((8, 144), dtype=torch.uint8), torch.zeros((7, 144), dtype=torch.uint8)]
+    with pytest.raises(ValueError, match=r"expected uint8 \[16, 144\] q4_k blocks .* got \[\(8, 144\), \(7, 144\)\]"):
+        pack_tiles(parts, WeightFormat.Q4_K, 16, 256, int8_layout=False)
