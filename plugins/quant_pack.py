@@ -32,7 +32,7 @@ TILE_COLUMNS = 16
 CHUNK_BYTES = 1 << 18
 _NIBBLE_BYTES = 16 * TILE_COLUMNS  # one 32-weight (sub-)block's nibbles for the 16 columns
 
-# Offsets inside a GGUF block: fp16 scalars (stored first, [16 cols] each), the byte field stored
+# Offsets inside a GGUF block: fp16 scalars (adjacent; stored first, [16 cols] each), the byte field stored
 # [bytes][16 cols] (K-quant scales), the quants, and the bits above the nibbles.
 _FP16_AT = {
     WeightFormat.Q4_1: (0, 2),
@@ -146,10 +146,11 @@ def _pack_chunk(src: np.ndarray, dst: np.ndarray, fmt: WeightFormat, int8_layout
     """src [T, col, nb, block bytes] (a view of the rows) -> dst [T, nb, 16 * block bytes]."""
     tiles, _, num_blocks, _ = src.shape
     lead = (tiles, num_blocks)
-    at = 0
-    for offset in _FP16_AT.get(fmt, (0,)):  # [col, 2 bytes]: the column's fp16 as it is
-        _into(dst[:, :, at : at + 32], (*lead, TILE_COLUMNS, 2), src[..., offset : offset + 2].transpose(0, 2, 1, 3))
-        at += 32
+    # fp16 fields [16 cols] each, moved as 16-bit words (every block size and fp16 offset is even)
+    first, count = _FP16_AT.get(fmt, (0,))[0] // 2, len(_FP16_AT.get(fmt, (0,)))
+    fp16 = src.view(np.uint16)[..., first : first + count]  # [T, col, nb, field]
+    _into(dst[:, :, : 32 * count].view(np.uint16), (*lead, count, TILE_COLUMNS), fp16.transpose(0, 2, 3, 1))
+    at = 32 * count
     if fmt in _BYTE_FIELD:
         offset, count = _BYTE_FIELD[fmt]
         field = src[..., offset : offset + count].transpose(0, 2, 3, 1)
