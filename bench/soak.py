@@ -45,7 +45,9 @@ from soak_kinds import KINDS, THINKING_TEMPLATE, Outcome, Repeats, send
 WINDOW_S = 30.0
 MAX_RSS_GROWTH = 0.05
 MAX_EXAMPLES = 30
-REQUEST_TIMEOUT_S = 180.0
+# A request with no reply (or, streamed, no chunk) for this long is hung: on a machine whose load
+# slows steps 100-fold a 64-token request takes minutes, so the bound is far above any seen.
+REQUEST_TIMEOUT_S = 600.0
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -64,6 +66,7 @@ class Tally:
     reasoned: Counter[str] = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
     finished: list[tuple[float, float]] = field(default_factory=list)  # (finish time, latency)
+    latencies: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, kind: str, outcome: Outcome, latency: float) -> None:
         self.outcomes[kind, outcome.finish] += 1
@@ -73,6 +76,7 @@ class Tally:
             if len(self.examples) < MAX_EXAMPLES:
                 self.examples.append(f"{kind}: {outcome.problem} | {outcome.detail}")
         self.finished.append((time.monotonic(), latency))
+        self.latencies.setdefault(kind, []).append(latency)
 
     def by_kind(self) -> dict[str, dict[str, Any]]:
         report: dict[str, dict[str, Any]] = {}
@@ -81,6 +85,9 @@ class Tally:
             problems = {problem: n for (k, problem), n in sorted(self.problems.items()) if k == kind}
             failed = sum(problems.values())
             report[kind] = {"ok": sum(finishes.values()) - failed, "failed": failed, "finish": finishes}
+            if kind in self.latencies:  # a slow kind stands out here (a hung request would be at the timeout)
+                ordered = sorted(self.latencies[kind])
+                report[kind]["latency_s_median_max"] = [round(ordered[len(ordered) // 2], 1), round(ordered[-1], 1)]
             if problems:
                 report[kind]["problems"] = problems
             if kind.startswith("reasoning"):
@@ -88,10 +95,10 @@ class Tally:
         return report
 
 
-def drive(base: str, clients: int, seconds: float, seed: int, repeats: Repeats) -> Tally:
-    """Run `clients` closed-loop clients for `seconds`."""
+def drive(base: str, clients: int, seconds: float, seed: int, repeats: Repeats, tally: Tally | None = None) -> Tally:
+    """Run `clients` closed-loop clients for `seconds`, counting into `tally` (a new one if None)."""
     deadline = time.monotonic() + seconds
-    tally = Tally()
+    tally = Tally() if tally is None else tally
     lock = threading.Lock()
 
     def client_loop(client_seed: int) -> None:
@@ -187,6 +194,18 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]
     return subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
 
 
+def memory_by_mapping(pid: int) -> dict[str, float]:
+    """The server's RSS by kind of mapping, to tell where growth is: the main malloc arena
+    ([heap]: mostly the event loop's thread, Python objects), anonymous mappings (other threads'
+    malloc arenas, torch's large buffers, the KV pool) and files (libraries, the mapped weights)."""
+    totals = {"heap": 0.0, "anonymous": 0.0, "files": 0.0}
+    for mapping in psutil.Process(pid).memory_maps(grouped=True):
+        path = mapping.path
+        kind = "heap" if path == "[heap]" else "files" if path.startswith("/") else "anonymous"
+        totals[kind] += mapping.rss / 2**20
+    return {kind: round(mb, 1) for kind, mb in totals.items()}
+
+
 def cpu_name() -> str:
     """lscpu's model name and the vector ISA flags that pick the kernels."""
     info = Path("/proc/cpuinfo").read_text()
@@ -231,20 +250,25 @@ def main() -> None:
         warmup = drive(base, args.clients, args.warmup_seconds, seed=1000, repeats=repeats)
         health = wait_idle(base)
         start, spec_start = sample(process, health), health["speculative"]
+        maps_start = memory_by_mapping(server.pid)
         print("start", json.dumps(start), flush=True)
-        rss: list[tuple[float, float]] = []
+        rss: list[tuple[float, float, int]] = []
         started = time.monotonic()
 
         def sample_rss() -> None:
             while time.monotonic() < started + args.minutes * 60:
-                rss.append((round(time.monotonic() - started), round(process.memory_info().rss / 2**20, 1)))
+                done = len(soak_finished)
+                rss.append((round(time.monotonic() - started), round(process.memory_info().rss / 2**20, 1), done))
                 load.append(os.getloadavg())
                 time.sleep(WINDOW_S)
 
+        soak = Tally()
+        soak_finished = soak.finished
         threading.Thread(target=sample_rss, daemon=True).start()
-        soak = drive(base, args.clients, args.minutes * 60, seed=0, repeats=repeats)
+        drive(base, args.clients, args.minutes * 60, seed=0, repeats=repeats, tally=soak)
         health = wait_idle(base)
         end = sample(process, health)
+        maps_end = memory_by_mapping(server.pid)
         children = process.children(recursive=True)
     finally:
         server.terminate()
@@ -277,7 +301,8 @@ def main() -> None:
         "start": start,
         "end": end,
         "growth": {key: round(end[key] - start[key], 1) for key in start},
-        "rss_mb_every_30s": rss,
+        "rss_mb_and_requests_done_every_30s": rss,
+        "memory_by_mapping_mb_start_end": [maps_start, maps_end],
         "p99_latency_s_first_last_window": [p99(windows[min(windows)]), p99(windows[max(windows)])],
         "scheduling": health["scheduling"],
         "problem_examples": warmup.examples + soak.examples,
