@@ -13,13 +13,15 @@ compared byte for byte with the old one's (a difference stops the run).
 Random blocks: Llama-3.2-1B's shapes (hidden 2048, FFN 8192, 8 KV heads of 64) for the K-quants,
 SmolLM2-135M's (hidden 576, FFN 1536: K not a multiple of 256, where llama.cpp's Q4_K_M falls back
 to Q5_0 / Q8_0) for the 32-weight formats. --convert also runs builder.build's pack phase
-(`_convert`: map, copy out, un-permute, pack, write, reload) on the file with the new packer.
+(`_convert`: map, copy out, un-permute, pack, write, reload) on the file with the new packer, first,
+so the process's peak RSS it prints is the pack phase's (the bound: the file + 1.5 GB).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -147,7 +149,11 @@ def convert_phase(path: Path) -> str:
     finally:
         out.unlink(missing_ok=True)
     size = path.stat().st_size
-    return f"pack phase (_convert) of {path.name}: {wall:.1f} s wall, {cpu:.1f} s CPU = {size / wall / 1e6:.0f} MB/s"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # run first: nothing else held yet
+    return (
+        f"pack phase (_convert) of {path.name} ({size / 1e6:.0f} MB): {wall:.1f} s wall, {cpu:.1f} s CPU = "
+        f"{size / wall / 1e6:.0f} MB/s; peak RSS {peak / 2**20:.0f} MiB (file {size / 2**20:.0f} MiB)"
+    )
 
 
 def main() -> None:
@@ -164,10 +170,10 @@ def main() -> None:
     if args.convert and args.gguf is None:
         parser.error("--convert needs --gguf")
     print(f"torch threads {torch.get_num_threads()}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.convert:
+        print(convert_phase(args.gguf), flush=True)
     tensors = gguf_tensors(args.gguf) if args.gguf else synthetic_tensors()
     print(table(compare(tensors, layouts, args.repeat)))
-    if args.convert:
-        print(convert_phase(args.gguf))
     print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
