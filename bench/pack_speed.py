@@ -14,7 +14,8 @@ Random blocks: Llama-3.2-1B's shapes (hidden 2048, FFN 8192, 8 KV heads of 64) f
 SmolLM2-135M's (hidden 576, FFN 1536: K not a multiple of 256, where llama.cpp's Q4_K_M falls back
 to Q5_0 / Q8_0) for the 32-weight formats. --convert also runs builder.build's pack phase
 (`_convert`: map, copy out, un-permute, pack, write, reload) on the file with the new packer, first,
-so the process's peak RSS it prints is the pack phase's (the bound: the file + 1.5 GB).
+so the process's peak RSS it prints is that pack phase's (the bound: the file + 1.5 GB), then with
+the old one.
 """
 
 from __future__ import annotations
@@ -121,12 +122,19 @@ def table(totals: dict[tuple[str, str], list[float]]) -> str:
     return "\n".join(lines)
 
 
-def convert_phase(path: Path) -> str:
-    """builder.build's pack phase on `path` (new packer), in seconds and file MB/s."""
+def convert_phase(path: Path, old: bool) -> str:
+    """builder.build's pack phase on `path` in seconds and file MB/s, with the new packer or the old."""
     from ifb.builder.build import BuildOptions, _convert
     from ifb.builder.hf_config import model_spec_from_hf_config
     from ifb.builder.limits import resolve_limits
     from ifb.builder.sources import load_metadata, resolve_source
+    from ifb.plugins.quant_formats import WeightCompute
+    from ifb.runtime.step import quant_linear
+
+    saved = dict(quant_linear.PACKERS)
+    if old:
+        quant_linear.PACKERS[WeightCompute.FP32] = partial(_old_packer, int8_layout=False)
+        quant_linear.PACKERS[WeightCompute.INT8] = partial(_old_packer, int8_layout=True)
 
     metadata = load_metadata(resolve_source(str(path)))
     spec = model_spec_from_hf_config(metadata.hf_config)
@@ -148,12 +156,22 @@ def convert_phase(path: Path) -> str:
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         out.unlink(missing_ok=True)
+        quant_linear.PACKERS.update(saved)
     size = path.stat().st_size
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # run first: nothing else held yet
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return (
-        f"pack phase (_convert) of {path.name} ({size / 1e6:.0f} MB): {wall:.1f} s wall, {cpu:.1f} s CPU = "
-        f"{size / wall / 1e6:.0f} MB/s; peak RSS {peak / 2**20:.0f} MiB (file {size / 2**20:.0f} MiB)"
+        f"pack phase (_convert), {'old' if old else 'new'} packer, {path.name} ({size / 1e6:.0f} MB): {wall:.1f} s "
+        f"wall, {cpu:.1f} s CPU = {size / wall / 1e6:.0f} MB/s; process peak RSS so far {peak / 2**20:.0f} MiB "
+        f"(file {size / 2**20:.0f} MiB)"
     )
+
+
+def _old_packer(
+    blocks: torch.Tensor | list[torch.Tensor], fmt: WeightFormat, n: int, k: int, int8_layout: bool
+) -> torch.Tensor:
+    """The packer as the build called it before: a fused module's parts concatenated first."""
+    rows = blocks if isinstance(blocks, torch.Tensor) else torch.cat(list(blocks))
+    return pack_reference(rows, fmt, n, k, int8_layout)
 
 
 def main() -> None:
@@ -161,7 +179,9 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, help="pack this file's block tensors (default: random blocks)")
     parser.add_argument("--layouts", default="int8,exact", help="comma-separated, of int8, exact")
     parser.add_argument("--repeat", type=int, default=3, help="runs of the new packer per tensor (best kept)")
-    parser.add_argument("--convert", action="store_true", help="also time the build's pack phase on --gguf")
+    parser.add_argument(
+        "--convert", action="store_true", help="also time the build's pack phase on --gguf, new and old"
+    )
     args = parser.parse_args()
     layouts = [name for name in args.layouts.split(",") if name]
     unknown = sorted(set(layouts) - set(LAYOUTS))
@@ -170,8 +190,9 @@ def main() -> None:
     if args.convert and args.gguf is None:
         parser.error("--convert needs --gguf")
     print(f"torch threads {torch.get_num_threads()}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    if args.convert:
-        print(convert_phase(args.gguf), flush=True)
+    if args.convert:  # the new packer first: the peak RSS it prints is then the new pack phase's
+        print(convert_phase(args.gguf, old=False), flush=True)
+        print(convert_phase(args.gguf, old=True), flush=True)
     tensors = gguf_tensors(args.gguf) if args.gguf else synthetic_tensors()
     print(table(compare(tensors, layouts, args.repeat)))
     print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
