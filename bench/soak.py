@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import random
 import socket
@@ -136,14 +135,18 @@ def wait_idle(base: str, timeout_s: float = 120.0) -> dict[str, Any]:
     return httpx.get(base + "/health", timeout=10).json()
 
 
-def kv_pool_resident(pid: int, pool_bytes: int) -> int:
-    """Bytes of the KV pool's mapping that are resident. The pool is an anonymous mapping whose
-    pages the OS backs when a step first writes them (runtime/step/kv_pool.py), and the free list
-    hands out the least recently used block, so over a soak more and more of it is touched: RSS
-    climbs towards the pool's size (engine.json `kv_pool.bytes`), bounded, not a leak."""
-    page = mmap.PAGESIZE
-    size = -(-pool_bytes // page) * page
-    return sum(m.rss for m in psutil.Process(pid).memory_maps(grouped=False) if not m.path and m.size == size)
+def kv_pool_resident(pid: int, pool_bytes: int) -> tuple[int, int]:
+    """(resident bytes, size) of the anonymous mapping that holds the KV pool. The pool's pages
+    are backed when a step first writes them (runtime/step/kv_pool.py) and the free list hands
+    out the least recently used block, so over a soak more and more of it is touched: RSS climbs
+    towards the pool's size (engine.json `kv_pool.bytes`), bounded, not a leak. The kernel merges
+    the pool's mapping with an adjacent anonymous one of the same permissions, so the mapping
+    found (the largest anonymous one at least the pool's size) may be a little larger."""
+    found = [m for m in psutil.Process(pid).memory_maps(grouped=False) if m.path == "[anon]" and m.size >= pool_bytes]
+    if not found:
+        return 0, 0
+    pool = max(found, key=lambda m: m.size)
+    return pool.rss, pool.size
 
 
 def sample(process: psutil.Process, health: dict[str, Any], pool_bytes: int) -> dict[str, float]:
@@ -156,10 +159,11 @@ def sample(process: psutil.Process, health: dict[str, Any], pool_bytes: int) -> 
             tree_rss += child.memory_info().rss
         except psutil.NoSuchProcess:
             pass
-    kv = kv_pool_resident(process.pid, pool_bytes)
+    kv, mapping_size = kv_pool_resident(process.pid, pool_bytes)
     return {
         "rss_mb": round(process.memory_info().rss / 2**20, 1),
         "kv_pool_resident_mb": round(kv / 2**20, 1),
+        "kv_pool_mapping_extra_mb": round((mapping_size - pool_bytes) / 2**20, 1),  # merged beside it
         "rss_outside_kv_pool_mb": round((process.memory_info().rss - kv) / 2**20, 1),
         "tree_rss_outside_kv_pool_mb": round((tree_rss - kv) / 2**20, 1),
         "open_fds": process.num_fds(),
@@ -276,7 +280,7 @@ def main() -> None:
             while time.monotonic() < started + args.minutes * 60:
                 done = len(soak_finished)
                 rss_mb = process.memory_info().rss / 2**20
-                kv_mb = kv_pool_resident(process.pid, pool_bytes) / 2**20
+                kv_mb = kv_pool_resident(process.pid, pool_bytes)[0] / 2**20
                 rss.append((round(time.monotonic() - started), round(rss_mb, 1), round(kv_mb, 1), done))
                 load.append(os.getloadavg())
                 time.sleep(WINDOW_S)
