@@ -37,6 +37,9 @@ and the high bits, in two orders:
                    Q8_0: group g = 0..7, lane byte b = weight 4g+b
 
 Tensor: uint8 [ceil(N/16), K/block_weights * 16 * block_bytes].
+`pack` and `pack_int8` are `quant_pack.pack_tiles` (each field moved in whole words, ~20x the
+speed of unpacking every weight); `quant_pack_reference` spells the layouts out weight by weight and
+is the definition the packer is tested against byte for byte.
 
 `quant_embedding(ids, packed, ...)` gathers exact rows of W from either packing, so a tied
 embedding reads the LM head's tiles.
