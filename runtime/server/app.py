@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics. Admission: 400 for bad input, 429 at once when full, 401 without the key, 503 when
-the step loop cannot serve."""
+/metrics, and Anthropic's /v1/messages. Admission: 400 for bad input, 429 at once when full, 401
+without the key, 503 when the step loop cannot serve."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ifb import __version__
 from ifb.runtime.engine_client import EngineClient
 from ifb.runtime.errors import AdmissionError, EngineUnavailableError, QueueFullError
 from ifb.runtime.reasoning import ReasoningParserKind, make_reasoning_parser
+from ifb.runtime.server.anthropic_messages import anthropic_router
 from ifb.runtime.server.errors import ModelNotFound, error_response, validation_field
 from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware
 from ifb.runtime.server.routes import Routes
@@ -71,6 +72,7 @@ def create_app(
     app.get("/version")(routes.version)
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.metrics_text)
+    app.include_router(anthropic_router(routes, engine.retry_after_s))  # /v1/messages, Anthropic's shapes
     return app
 
 
