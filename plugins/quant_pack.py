@@ -18,6 +18,7 @@ temporaries stay a few times that whatever the tensor's size (a 128k-row head in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -232,9 +233,8 @@ def _nibbles(src: np.ndarray, target: np.ndarray, fmt: WeightFormat, int8_layout
 def _swap_index_bits(words: np.ndarray, low: int, high: int) -> np.ndarray:
     """Exchange the bits whose positions differ only in position bits `low` and `high` (a delta swap):
     the bit at position p moves to p with those two position bits exchanged."""
-    width = words.itemsize * 8
     delta = (1 << high) - (1 << low)
-    mask = sum(1 << p for p in range(width) if (p >> low) & 1 and not (p >> high) & 1)
+    mask = _swap_mask(words.itemsize * 8, low, high)
     moved = words >> delta
     moved ^= words
     moved &= mask
@@ -242,6 +242,12 @@ def _swap_index_bits(words: np.ndarray, low: int, high: int) -> np.ndarray:
     moved <<= delta
     out ^= moved
     return out
+
+
+@functools.cache
+def _swap_mask(width: int, low: int, high: int) -> int:
+    """The positions of a `width`-bit word with position bit `low` set and `high` clear."""
+    return sum(1 << p for p in range(width) if (p >> low) & 1 and not (p >> high) & 1)
 
 
 def _int8_lanes(exact: np.ndarray) -> np.ndarray:
@@ -280,17 +286,24 @@ def _high_bits(src: np.ndarray, target: np.ndarray, fmt: WeightFormat, int8_layo
         exact = np.ascontiguousarray(by_sub.transpose(0, 1, 2, 4, 3)).view(np.uint32)[..., 0]  # [T, col, nb, s]
         _into(target.view(np.uint32), (*lead, 8, cols), _int8_lanes(exact).transpose(0, 2, 3, 1))
     else:  # Q6_K: qh[32h + l] bits 2m = weight l of sub-block 4h + m
-        # as uint32 words w = 4v + r of half h: byte t, field m = weight 16v + 4r + t; transposed,
-        # byte m field t: pack's byte r of row v for sub-block (h, m)
-        words = _transpose_pairs(np.ascontiguousarray(src[..., 128:192]).view(np.uint32))
-        by_sub = words.view(np.uint8).reshape(tiles, cols, num_blocks, 2, 2, 4, 4)  # [col, h, v, r, m]
-        if not int8_layout:  # [h, m] sub-block: [v, col, r]
-            _into(target, (*lead, 2, 4, 2, cols, 4), by_sub.transpose(0, 2, 3, 6, 4, 1, 5))
-            return
-        # pack_int8's word (sub-block, v): byte b field p ^ 2 = weight 16v + 4p + b, i.e. pack's word
-        # with bytes and fields exchanged, then each byte's nibbles swapped (field p -> p ^ 2)
-        exact = np.ascontiguousarray(by_sub.transpose(0, 1, 2, 3, 6, 4, 5)).view(np.uint32)[..., 0]
-        lanes = _transpose_pairs(exact)  # [T, col, nb, h, m, v]
-        swapped = (lanes >> 4) & 0x0F0F0F0F
-        swapped |= (lanes << 4) & 0xF0F0F0F0
-        _into(target.view(np.uint32), (*lead, 2, 4, 2, cols), swapped.transpose(0, 2, 3, 4, 5, 1))
+        # Per 16 bytes (h, v) as bit positions 32r + 8t + 2m (+ bit): weight 16v + 4r + t of sub-block
+        # (h, m). pack's word for sub-block (h, m), row v is 32m + 8r + 2t: bytes r of fields t. So
+        # exchange m with t (within each uint32), then m with r (3 <-> 5 inside each uint64, 4 <-> 6
+        # across the two uint64 of the 16 bytes), and only whole words are copied into the tiles.
+        words = np.ascontiguousarray(src[..., 128:192]).view(np.uint64)  # [T, col, nb, (h, v, half)]
+        words = _swap_index_bits(_transpose_pairs(words), 3, 5).reshape(tiles, cols, num_blocks, 2, 2, 2)
+        low, high = words[..., 0], words[..., 1]  # positions 0..63 and 64..127 of each 16 bytes
+        moved = low >> 16
+        moved ^= high
+        moved &= 0x0000FFFF0000FFFF
+        high ^= moved
+        moved <<= 16
+        low ^= moved
+        if int8_layout:
+            # pack_int8's word (sub-block, v): byte b field p ^ 2 = weight 16v + 4p + b, i.e. pack's
+            # word with bytes and fields exchanged, then each byte's nibbles swapped (field p -> p ^ 2)
+            lanes = _transpose_pairs(words)
+            words = (lanes >> 4) & 0x0F0F0F0F0F0F0F0F
+            words |= (lanes << 4) & 0xF0F0F0F0F0F0F0F0
+        by_sub = words.view(np.uint32).reshape(tiles, cols, num_blocks, 2, 2, 4)  # [T, col, nb, h, v, m]
+        _into(target.view(np.uint32), (*lead, 2, 4, 2, cols), by_sub.transpose(0, 2, 3, 5, 4, 1))
