@@ -290,20 +290,20 @@ def _high_bits(src: np.ndarray, target: np.ndarray, fmt: WeightFormat, int8_layo
         # (h, m). pack's word for sub-block (h, m), row v is 32m + 8r + 2t: bytes r of fields t. So
         # exchange m with t (within each uint32), then m with r (3 <-> 5 inside each uint64, 4 <-> 6
         # across the two uint64 of the 16 bytes), and only whole words are copied into the tiles.
-        words = np.ascontiguousarray(src[..., 128:192]).view(np.uint64)  # [T, col, nb, (h, v, half)]
-        words = _swap_index_bits(_transpose_pairs(words), 3, 5).reshape(tiles, cols, num_blocks, 2, 2, 2)
-        low, high = words[..., 0], words[..., 1]  # positions 0..63 and 64..127 of each 16 bytes
-        moved = low >> 16
-        moved ^= high
+        fields: np.ndarray = np.ascontiguousarray(src[..., 128:192]).view(np.uint64)  # [T, col, nb, (h, v, half)]
+        fields = _swap_index_bits(_transpose_pairs(fields), 3, 5).reshape(tiles, cols, num_blocks, 2, 2, 2)
+        first, second = fields[..., 0], fields[..., 1]  # positions 0..63 and 64..127 of each 16 bytes
+        moved = first >> 16
+        moved ^= second
         moved &= 0x0000FFFF0000FFFF
-        high ^= moved
+        second ^= moved
         moved <<= 16
-        low ^= moved
+        first ^= moved
         if int8_layout:
             # pack_int8's word (sub-block, v): byte b field p ^ 2 = weight 16v + 4p + b, i.e. pack's
             # word with bytes and fields exchanged, then each byte's nibbles swapped (field p -> p ^ 2)
-            lanes = _transpose_pairs(words)
-            words = (lanes >> 4) & 0x0F0F0F0F0F0F0F0F
-            words |= (lanes << 4) & 0xF0F0F0F0F0F0F0F0
-        by_sub = words.view(np.uint32).reshape(tiles, cols, num_blocks, 2, 2, 4)  # [T, col, nb, h, v, m]
-        _into(target.view(np.uint32), (*lead, 2, 4, 2, cols), by_sub.transpose(0, 2, 3, 5, 4, 1))
+            lanes = _transpose_pairs(fields)
+            fields = (lanes >> 4) & 0x0F0F0F0F0F0F0F0F
+            fields |= (lanes << 4) & 0xF0F0F0F0F0F0F0F0
+        by_word = fields.view(np.uint32).reshape(tiles, cols, num_blocks, 2, 2, 4)  # [T, col, nb, h, v, m]
+        _into(target.view(np.uint32), (*lead, 2, 4, 2, cols), by_word.transpose(0, 2, 3, 5, 4, 1))
