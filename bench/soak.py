@@ -26,6 +26,7 @@ soak and replies with reasoning_content. Bounded: it stops by itself after --min
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -104,9 +105,14 @@ def drive(base: str, clients: int, seconds: float, seed: int, repeats: Repeats, 
 
     def client_loop(client_seed: int) -> None:
         rng = random.Random(client_seed)
+        # Each client cycles through every kind in its own order, so a slow machine's few
+        # requests still cover them all.
+        cycle = rng.sample(KINDS, len(KINDS))
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-            while time.monotonic() < deadline:
-                kind, start = rng.choice(KINDS), time.monotonic()
+            for i in itertools.count():
+                if time.monotonic() >= deadline:
+                    break
+                kind, start = cycle[i % len(cycle)], time.monotonic()
                 try:
                     outcome = send(client, base, kind, rng, repeats)
                 except Exception as error:  # a reply the checks could not even read is a wrong shape
