@@ -1,7 +1,8 @@
-"""Freeing the KV blocks that slid out of the window, end to end, on a tiny random Mistral.
+"""Freeing the KV blocks that slid out of the window, end to end, on tiny windowed models.
 
-Pins, on a dense fp32 engine (its torch attention gathers every block of the table, holes
-included, and masks) and on a Q8_0 GGUF's (the decode kernel, which starts at the window): with
+Pins, on a dense fp32 engine of a random Mistral's HF folder (its torch attention gathers every
+block of the table, holes included, and masks) and on the engine of a Q8_0 file llama.cpp's own
+converter wrote of a trained-like Phi-3 (the decode kernel, which starts at the window): with
 every layer sliding (window 20, blocks of 16), a request of 240 tokens (15 blocks) runs on a
 pool of 13 (12 usable beside the null block), holding at most 4 blocks at once
 (ceil((24 + 20 - 1) / 16) + 1, steps of 24 tokens), and its greedy tokens are transformers' fp32.
@@ -18,14 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import oracle, rounded_as
 from greedy_loop import hf_greedy
+from llama_cpp_converter import convert
+from sharp_models import write_sharp_checkpoint
 from step_cases import prompts
-from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint
-from transformers import AutoModelForCausalLM
+from tiny_models import TINY_LIMITS, write_hf_checkpoint
 
 from ifb import LLM
 from ifb.builder.build import BuildOptions, build_engine
-from ifb.builder.sources import load_model, resolve_source
 from ifb.runtime.executor import StepRecord
 from ifb.runtime.sampling_params import SamplingParams
 
@@ -42,23 +44,26 @@ def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("tiny-mistral"), "mistral", seed=21, sliding_window=WINDOW)
 
 
-@pytest.fixture(scope="module", params=["dense_fp32", "gguf_q8_0"])
+@pytest.fixture(scope="module", params=["dense_fp32", "llama_cpp_q8_0"])
 def engine_and_oracle(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mistral_dir: Path
 ) -> tuple[Path, torch.nn.Module]:
     """The dense engine (its torch attention gathers every table entry, holes included, and
-    masks) or a Q8_0 GGUF's (the decode kernel, which starts reading at the window), each with
-    transformers on the same weights."""
+    masks) of the Mistral folder, or the engine of a Q8_0 file llama.cpp's converter wrote (the
+    decode kernel, which starts reading at the window) of a trained-like Phi-3 with the same
+    window on every layer (llama.cpp writes a window for Phi-3, never for a Mistral); each with
+    transformers on its HF folder (for the file: 2-D weights rounded through Q8_0 as it holds them)."""
     folder = tmp_path_factory.mktemp("engines")
-    source: Path = mistral_dir
-    if request.param == "gguf_q8_0":
-        source = write_gguf(folder / "tiny-mistral-q8_0.gguf", mistral_dir, linear_type="Q8_0", embed_type="Q8_0")
+    if request.param == "dense_fp32":
+        source: Path = mistral_dir
+        oracle_model = oracle(mistral_dir)
+    else:
+        phi3 = write_sharp_checkpoint(folder / "phi3", "phi3", seed=21, sliding_window=WINDOW)
+        source = convert(phi3, folder / "phi3-q8_0.gguf", "q8_0")
+        oracle_model = rounded_as(oracle(phi3), source)
     build_engine(source, folder / "engine", BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
-    loaded = load_model(resolve_source(source))  # as the builder read it (a GGUF dequantized)
-    oracle = AutoModelForCausalLM.from_config(loaded.hf_config, dtype=torch.float32)
-    oracle.load_state_dict(loaded.state_dict)
-    assert oracle.config.sliding_window == WINDOW
-    return folder / "engine", oracle.eval()
+    assert oracle_model.config.sliding_window == WINDOW
+    return folder / "engine", oracle_model
 
 
 @pytest.fixture
