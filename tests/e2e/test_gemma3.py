@@ -23,18 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 from family_checks import (
-    assert_bitwise_invariant,
     assert_greedy_equals,
     assert_step_modes_agree,
     build_fp32,
-    gguf_oracle,
 )
-from tiny_models import tiny_config, write_gguf, write_hf_checkpoint
+from tiny_models import tiny_config, write_hf_checkpoint
 from transformers import AutoModelForCausalLM
 
 from ifb.builder.hf_config import model_spec_from_hf_config
-from ifb.builder.sources import gguf_config
-from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
 
@@ -58,20 +54,8 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf(tmp_path_factory: pytest.TempPathFactory, gemma_dir: Path) -> Path:
-    """As llama.cpp writes Gemma 3 (norms stored as 1 + w, linear RoPE scaling keys), Q8_0 blocks."""
-    path = tmp_path_factory.mktemp("tiny-gemma3-gguf") / "tiny-gemma3-q8_0.gguf"
-    return write_gguf(path, gemma_dir, linear_type="Q8_0", embed_type="Q8_0")
-
-
-@pytest.fixture(scope="module")
 def folder_engine(tmp_path_factory: pytest.TempPathFactory, gemma_dir: Path) -> Path:
     return build_fp32(gemma_dir, tmp_path_factory.mktemp("engines") / "gemma3-fp32")
-
-
-@pytest.fixture(scope="module")
-def gguf_engine(tmp_path_factory: pytest.TempPathFactory, gemma_gguf: Path) -> Path:
-    return build_fp32(gemma_gguf, tmp_path_factory.mktemp("engines") / "gemma3-q8_0")
 
 
 def _assert_greedy_equals(engine: Engine, hf: torch.nn.Module) -> None:
@@ -79,10 +63,11 @@ def _assert_greedy_equals(engine: Engine, hf: torch.nn.Module) -> None:
     assert_greedy_equals(engine, hf, PROMPT_LENGTHS, 20, chunks=(3, WINDOW + 1, 16), deep=True)
 
 
-def test_the_spec_read_from_a_folder_and_from_a_gguf(gemma_dir: Path, gemma_gguf: Path) -> None:
-    """transformers' config and llama.cpp's header give the same Gemma 3 spec, but for the
-    attention scale, which llama.cpp takes from head_dim (query_pre_attn_scalar = 256 = head_dim
-    in the 1B-12B)."""
+def test_the_spec_read_from_a_folder(gemma_dir: Path) -> None:
+    """transformers' Gemma3TextConfig gives this spec. (llama.cpp's file of the same checkpoint
+    gives the same spec but for the attention scale, which llama.cpp takes from head_dim
+    (query_pre_attn_scalar = 256 = head_dim in the 1B-12B): test_converter_conformance.py's
+    gemma3 and gemma3-scalar cases.)"""
     from transformers import AutoConfig
 
     spec = model_spec_from_hf_config(AutoConfig.from_pretrained(gemma_dir))
@@ -91,13 +76,6 @@ def test_the_spec_read_from_a_folder_and_from_a_gguf(gemma_dir: Path, gemma_gguf
     assert [spec.layer_window(i) for i in range(6)] == [WINDOW] * 5 + [None]
     assert (spec.local_rope_theta, spec.hidden_act, spec.norm_weight_offset) == (10000.0, "gelu_pytorch_tanh", 1.0)
     assert (spec.embed_scale, spec.sandwich_norms, spec.attention_scale) == (8.0, True, 24**-0.5)
-    config = gguf_config(gemma_gguf)
-    assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
-    from_gguf = model_spec_from_hf_config(config)
-    assert from_gguf.attention_scale == 16**-0.5
-    assert from_gguf.rms_norm_eps == pytest.approx(spec.rms_norm_eps)  # stored as f32 in the file
-    same = dict(attention_scale=spec.attention_scale, rms_norm_eps=spec.rms_norm_eps)
-    assert from_gguf.to_json() | same == spec.to_json()
 
 
 def test_folder_engine_equals_transformers(gemma_dir: Path, folder_engine: Path) -> None:
@@ -108,27 +86,11 @@ def test_folder_engine_equals_transformers(gemma_dir: Path, folder_engine: Path)
     _assert_greedy_equals(engine, AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval())
 
 
-def test_gguf_engine_keeps_blocks_and_equals_transformers_gguf_loader(gemma_gguf: Path, gguf_engine: Path) -> None:
-    """Q8_0 engine: both attention paths in the decode kernel (windowed op on local layers, the
-    plain one on the global layer); the norms' stored 1 is taken off once."""
-    config = EngineConfig.load(gguf_engine)
-    assert config.kernels is not None and set(config.weight_formats.values()) == {"q8_0"}
-    _assert_greedy_equals(Engine.load(gguf_engine, StepMode.COMPILED), gguf_oracle(gemma_gguf))
-
-
-def test_logits_are_bitwise_batch_and_chunk_invariant(gemma_gguf: Path, gguf_engine: Path) -> None:
-    """A prompt's last logits, bit for bit: alone; beside other prompts and a decode deep past
-    the window; prefilled in two chunks split around window edges. Alone, transformers'."""
-    assert_bitwise_invariant(Engine.load(gguf_engine, StepMode.COMPILED), gguf_oracle(gemma_gguf), WINDOW)
-
-
-def test_compiled_eager_and_reference_paths_agree(
-    gemma_dir: Path, gemma_gguf: Path, folder_engine: Path, gguf_engine: Path
-) -> None:
+def test_compiled_eager_and_reference_paths_agree(gemma_dir: Path, folder_engine: Path) -> None:
     """One mixed step (a chunk past the window over cached context, a whole prompt, a deep
-    decode) in the three step modes of both engines; the reference's logits are transformers'."""
+    decode) in the three step modes of the folder's engine; the reference's logits are
+    transformers'. (The Q8_0 file's engine: test_converter_conformance.py.)"""
     assert_step_modes_agree(folder_engine, AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval())
-    assert_step_modes_agree(gguf_engine, gguf_oracle(gemma_gguf))
 
 
 def test_layer_types_decide_the_windows_and_rope_tables() -> None:
