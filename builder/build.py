@@ -115,6 +115,11 @@ class BuildOptions:
     kv_blocks: int | None = option(None, "KV pool size in blocks.")
     kv_memory_gb: float | None = option(None, "KV pool size in GB (instead of --kv-blocks).", flag="--kv-memory")
     backend: Backend = option(Backend.CPU, "What compiles and runs the step.")
+    cache: bool = option(
+        True,
+        "Reuse the step cost model this machine measured for an engine of the same shapes, formats, limits, "
+        "ISA and versions (builder/cost_model_cache.py) instead of timing the engine again; --no-cache times it.",
+    )
 
     def __post_init__(self) -> None:  # accept the backend's string value from CLIs and callers
         object.__setattr__(self, "backend", Backend(self.backend))
@@ -266,7 +271,8 @@ def build_engine(
             clock.stop()
             return _build_info(clock)
 
-        calibrate_engine_folder(folder, measured_build_info)  # records the calibration's time and peak too
+        # records the calibration's time and peak too
+        calibrate_engine_folder(folder, measured_build_info, reuse=options.cache)
         artifact_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return BuildSummary(
         output=output,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ifb.builder.cost_model_cache import CostModelCache, CostModelKey
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step.engine import Engine
@@ -22,11 +23,26 @@ from ifb.runtime.step_budget.cost_model import StepCostModel
 logger = logging.getLogger(__name__)
 
 
-def calibrate_engine_folder(folder: Path, build_info: Callable[[], dict[str, Any]]) -> StepCostModel | None:
+def calibrate_engine_folder(
+    folder: Path,
+    build_info: Callable[[], dict[str, Any]],
+    reuse: bool = True,
+    cache: CostModelCache | None = None,
+) -> StepCostModel | None:
     """Record the cost model in `folder`'s engine.json, with `build_info()` as taken once it is
     measured (so the record holds the calibration's own time and peak memory); None (and a
-    warning) if this machine cannot run the engine (a TensorRT engine built without a usable GPU)."""
+    warning) if this machine cannot run the engine (a TensorRT engine built without a usable GPU).
+    With `reuse`, a fit this machine stored for the same key (builder/cost_model_cache.py) is taken
+    instead of timing; a new fit is stored either way."""
     config = EngineConfig.load(folder, verify=False)  # hashed a moment ago by the writer
+    cache = cache if cache is not None else CostModelCache()
+    key = CostModelKey.of(config.to_json(), config.builder_version)
+    stored = cache.get(key) if reuse else None
+    if stored is not None:
+        logger.info("step cost model reused: this machine timed an engine of the same key %s", key.digest[:12])
+        info = {**build_info(), "cost_model": "reused"}
+        dataclasses.replace(config, cost_model=stored, build_info=info).write(folder)
+        return stored
     try:
         engine = Engine(config)
     except EngineFormatError as error:
@@ -37,5 +53,6 @@ def calibrate_engine_folder(folder: Path, build_info: Callable[[], dict[str, Any
         model = calibrate(engine)
     finally:
         del engine  # the weights' mapping and the KV pool
-    dataclasses.replace(config, cost_model=model, build_info=build_info()).write(folder)
+    cache.put(key, model)
+    dataclasses.replace(config, cost_model=model, build_info={**build_info(), "cost_model": "measured"}).write(folder)
     return model

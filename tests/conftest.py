@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Step cost models reused between builds (builder/cost_model_cache.py) are this session's own:
+# never read from a developer's cache, never left in it.
+os.environ["IFB_CACHE_DIR"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="ifb-test-cache-")
+atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 sys.path.insert(0, str(Path(__file__).parent))
 
 from isa_report import MARKER, IsaReport  # noqa: E402

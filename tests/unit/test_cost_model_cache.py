@@ -1,0 +1,158 @@
+"""The step cost model cache (builder/cost_model_cache.py): a build reuses the fit this machine
+measured for the same key, misses on anything the timing depends on, survives corrupt entries and
+concurrent writers, and stays bounded; `--no-cache` times the engine again."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiny_models import TINY_LIMITS
+
+from ifb.builder.build import BuildOptions, build_engine
+from ifb.builder.calibrate import calibrate_engine_folder
+from ifb.builder.cost_model_cache import CostModelCache, CostModelKey
+from ifb.runtime.engine_format import EngineConfig
+from ifb.runtime.step_budget.cost_model import StepCostModel
+
+MODEL = StepCostModel(4.0, 0.25, 0.5, 0.001, 1e-6, 0.1)
+
+
+def engine_record(**changes: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "model": {"architecture": "llama", "hidden_size": 64, "num_layers": 2, "bos_token_id": 1, "eos_token_ids": [2]},
+        "limits": {"max_batch_size": 4, "max_num_tokens": 64, "max_seq_len": 128},
+        "dtype": "fp32",
+        "kv_dtype": "fp32",
+        "backend": "cpu",
+        "weight_formats": {},
+        "weight_compute": "fp32",
+        # cpu_features a tuple, as EngineConfig.to_json gives it (a stored key reads back a list)
+        "kernels": {"isa": "avx512_vnni", "cpu_features": ("avx2", "avx512f")},
+    }
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        target = record
+        for name in parents:
+            target = target[name]
+        target[leaf] = value
+    return record
+
+
+def key(**changes: Any) -> CostModelKey:
+    return CostModelKey.of(engine_record(**changes), "0.1.0")
+
+
+def test_a_stored_model_is_found_under_its_key_only(tmp_path: Path) -> None:
+    cache = CostModelCache(tmp_path)
+    cache.put(key(), MODEL)
+    assert cache.get(key()) == MODEL
+    # a fine-tune: other token ids, the same computation
+    assert cache.get(key(**{"model.eos_token_ids": [7, 8], "model.bos_token_id": 0})) == MODEL
+    for change in (
+        {"model.hidden_size": 128},
+        {"limits.max_num_tokens": 128},
+        {"dtype": "bf16"},
+        {"kv_dtype": "fp16"},
+        {"weight_compute": "int8"},
+        {"weight_formats": {"lm_head": "q8_0"}},
+        {"kernels.isa": "avx2"},
+    ):
+        assert cache.get(key(**change)) is None, change
+    assert cache.get(CostModelKey.of(engine_record(), "0.2.0")) is None
+
+
+@pytest.mark.parametrize("damage", ["checksum", "truncated", "key"])
+def test_a_damaged_entry_is_a_miss_with_a_warning_and_is_replaced(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = CostModelCache(tmp_path)
+    cache.put(key(), MODEL)
+    (path,) = cache.folder.glob("*.json")
+    entry = json.loads(path.read_text())
+    if damage == "checksum":
+        entry["cost_model"]["base_ms"] = 1.0
+        path.write_text(json.dumps(entry))
+    elif damage == "key":  # a hash collision, or an entry copied under another name
+        entry["key"]["dtype"] = "bf16"
+        path.write_text(json.dumps(entry))
+    else:
+        path.write_text(path.read_text()[:40])
+    with caplog.at_level(logging.WARNING, logger="ifb.builder.cost_model_cache"):
+        assert cache.get(key()) is None
+    assert "unusable" in caplog.text
+    cache.put(key(), MODEL)
+    assert cache.get(key()) == MODEL
+
+
+def test_the_cache_keeps_the_most_recently_used_entries(tmp_path: Path) -> None:
+    cache = CostModelCache(tmp_path, max_entries=3)
+    keys = [key(**{"model.hidden_size": 64 * (i + 1)}) for i in range(5)]
+    for index, each in enumerate(keys[:3]):
+        cache.put(each, MODEL)
+        os.utime(cache.folder / f"{each.digest}.json", (1000 * (index + 1),) * 2)  # no ties on a coarse clock
+    assert cache.get(keys[0]) == MODEL  # used now: it outlives keys[1] and keys[2]
+    cache.put(keys[3], MODEL)
+    cache.put(keys[4], MODEL)
+    assert len(list(cache.folder.glob("*.json"))) == 3
+    assert [cache.get(each) is not None for each in keys] == [True, False, False, True, True]
+
+
+def test_concurrent_writers_never_leave_a_partial_entry(tmp_path: Path) -> None:
+    """Readers racing writers of the same key see the whole entry or none, never a torn one."""
+    cache = CostModelCache(tmp_path)
+    models = [StepCostModel(float(i), 0.25, 0.5, 0.001, 1e-6, 0.1) for i in range(1, 9)]
+    seen: list[StepCostModel | None] = []
+    failures: list[BaseException] = []
+
+    def write(model: StepCostModel) -> None:
+        try:
+            for _ in range(50):
+                CostModelCache(tmp_path).put(key(), model)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            failures.append(error)
+
+    def read() -> None:
+        for _ in range(400):
+            seen.append(cache.get(key()))
+
+    threads = [threading.Thread(target=write, args=(m,)) for m in models] + [threading.Thread(target=read)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert all(found is None or found in models for found in seen)
+    assert cache.get(key()) in models
+    assert not list(cache.folder.glob(".entry-*")), "temporary files left behind"
+
+
+def test_a_build_reuses_the_cost_model_and_no_cache_measures_again(tiny_llama_engine: Path, tmp_path: Path) -> None:
+    """On a copy of the session's tiny engine: the first calibration measures and stores, the second
+    reuses the stored fit (engine.json says which), `reuse=False` (`--no-cache`) measures again."""
+    folder = tmp_path / "engine"
+    shutil.copytree(tiny_llama_engine, folder)
+    cache = CostModelCache(tmp_path / "cache")
+    measured = calibrate_engine_folder(folder, dict, reuse=True, cache=cache)
+    assert EngineConfig.load(folder).build_info["cost_model"] == "measured"
+    reused = calibrate_engine_folder(folder, dict, reuse=True, cache=cache)
+    config = EngineConfig.load(folder)
+    assert reused == measured and config.cost_model == measured and config.build_info["cost_model"] == "reused"
+    again = calibrate_engine_folder(folder, dict, reuse=False, cache=cache)
+    assert EngineConfig.load(folder).build_info["cost_model"] == "measured" and again is not None
+    assert cache.get(CostModelKey.of(copy.deepcopy(config.to_json()), config.builder_version)) == again
+
+
+def test_ifb_build_takes_the_session_cache(tiny_llama_dir: Path, tiny_llama_engine: Path, tmp_path: Path) -> None:
+    """A rebuild of the session's tiny engine (same source, same options) reuses its fit."""
+    build_engine(tiny_llama_dir, tmp_path / "again", BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
+    rebuilt = EngineConfig.load(tmp_path / "again")
+    assert rebuilt.build_info["cost_model"] == "reused"
+    assert rebuilt.cost_model == EngineConfig.load(tiny_llama_engine).cost_model
