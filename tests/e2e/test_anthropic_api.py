@@ -230,13 +230,20 @@ def test_an_unknown_model_is_anthropics_404(base: str) -> None:
 
 
 def test_the_api_key_comes_as_x_api_key_or_bearer(llm: LLM) -> None:
+    """Anthropic's clients send `x-api-key` (this SDK version sends its api_key as a Bearer token,
+    so the header is given as older versions and Claude Code send it)."""
     with running_server(llm, served_model_names=("tiny",), api_key=KEY) as url:
-        assert sdk(url, api_key=KEY).messages.create(messages=HI, max_tokens=2, **GREEDY).content
-        bearer = anthropic.Anthropic(base_url=url, auth_token=KEY, api_key=None, max_retries=0)
-        assert bearer.messages.create(messages=HI, max_tokens=2, **GREEDY).content
-        with pytest.raises(anthropic.AuthenticationError) as refused:
+        x_api_key = anthropic.Anthropic(base_url=url, api_key=None, default_headers={"x-api-key": KEY}, max_retries=0)
+        assert x_api_key.messages.create(messages=HI, max_tokens=2, **GREEDY).content
+        assert sdk(url, api_key=KEY).messages.create(messages=HI, max_tokens=2, **GREEDY).content  # Bearer
+        for headers in ({"x-api-key": "wrong"}, {"authorization": "Bearer wrong"}, {}):
+            refused = httpx.post(
+                url + "/v1/messages", json={"model": "tiny", "messages": HI, "max_tokens": 2}, headers=headers
+            )
+            assert refused.status_code == 401, headers
+            assert refused.json()["error"]["type"] == "authentication_error"
+        with pytest.raises(anthropic.AuthenticationError):
             sdk(url, api_key="wrong").messages.create(messages=HI, max_tokens=2, **GREEDY)
-        assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
         chat = httpx.post(url + "/v1/chat/completions", json={"messages": HI}, headers={"x-api-key": "wrong"})
         assert chat.status_code == 401 and "param" in chat.json()["error"]  # the OpenAI routes keep their shape
 
