@@ -102,17 +102,15 @@ def drive(base: str, clients: int, seconds: float, seed: int, repeats: Repeats, 
     deadline = time.monotonic() + seconds
     tally = Tally() if tally is None else tally
     lock = threading.Lock()
+    kinds = itertools.cycle(random.Random(seed).sample(KINDS, len(KINDS)))
 
     def client_loop(client_seed: int) -> None:
         rng = random.Random(client_seed)
-        # Each client cycles through every kind in its own order, so a slow machine's few
-        # requests still cover them all.
-        cycle = rng.sample(KINDS, len(KINDS))
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-            for i in itertools.count():
-                if time.monotonic() >= deadline:
-                    break
-                kind, start = cycle[i % len(cycle)], time.monotonic()
+            while time.monotonic() < deadline:
+                with lock:  # one round robin over all clients: any len(KINDS) requests cover every kind
+                    kind = next(kinds)
+                start = time.monotonic()
                 try:
                     outcome = send(client, base, kind, rng, repeats)
                 except Exception as error:  # a reply the checks could not even read is a wrong shape
