@@ -17,7 +17,7 @@ from ifb.builder.cost_model_cache import CostModelCache, CostModelKey
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step_budget.calibration import calibrate
+from ifb.runtime.step_budget.calibration import NOISY_FIT, calibrate
 from ifb.runtime.step_budget.cost_model import StepCostModel
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def calibrate_engine_folder(
     measured (so the record holds the calibration's own time and peak memory); None (and a
     warning) if this machine cannot run the engine (a TensorRT engine built without a usable GPU).
     With `reuse`, a fit this machine stored for the same key (builder/cost_model_cache.py) is taken
-    instead of timing; a new fit is stored either way."""
+    instead of timing; a new fit is stored either way unless it is noisy (NOISY_FIT: a busy machine)."""
     config = EngineConfig.load(folder, verify=False)  # hashed a moment ago by the writer
     cache = cache if cache is not None else CostModelCache()
     key = CostModelKey.of(config.to_json(), config.builder_version)
@@ -53,6 +53,9 @@ def calibrate_engine_folder(
         model = calibrate(engine)
     finally:
         del engine  # the weights' mapping and the KV pool
-    cache.put(key, model)
+    if model.max_relative_error <= NOISY_FIT:
+        cache.put(key, model)
+    else:  # timed on a busy machine: good enough for this engine, not to be handed to the next
+        logger.info("step cost model not cached: its fit is off by up to %.0f%%", 100 * model.max_relative_error)
     dataclasses.replace(config, cost_model=model, build_info={**build_info(), "cost_model": "measured"}).write(folder)
     return model

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 _MIN_REPEATS = 2
 _MAX_REPEATS = 25
 _POINT_BUDGET_S = 0.5
-_NOISY_FIT = 0.5  # worst relative error of the fit above which the log says so
+NOISY_FIT = 0.5  # worst relative error of the fit above which the log says so
 # 512 MiB: far past any last-level cache (32 MiB per EPYC CCD, 105 MiB on a Sapphire Rapids
 # socket), so context reads are timed from DRAM as when serving; well inside a build's budget of
 # the model's own bytes + 1.5 GB (a 1B Llama's fp32 pool for 8192 tokens alone is 512 MiB).
@@ -134,7 +134,7 @@ def calibrate(engine: Engine) -> StepCostModel:
     started = time.perf_counter()
     samples = [(point.shape, time_step_ms(engine, point)) for point in calibration_points(engine)]
     model = StepCostModel.fit(samples)
-    if model.max_relative_error > _NOISY_FIT:
+    if model.max_relative_error > NOISY_FIT:
         logger.warning(
             "the step cost model fits one calibration step only within %.0f%%: was the machine busy? "
             "recalibrate with `ifb run --calibrate` when it is quiet",

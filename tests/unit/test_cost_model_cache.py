@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 from tiny_models import TINY_LIMITS
 
+from ifb.builder import calibrate as calibrate_module
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.calibrate import calibrate_engine_folder
 from ifb.builder.cost_model_cache import CostModelCache, CostModelKey
 from ifb.runtime.engine_format import EngineConfig
+from ifb.runtime.step_budget.calibration import NOISY_FIT
 from ifb.runtime.step_budget.cost_model import StepCostModel
 
 MODEL = StepCostModel(4.0, 0.25, 0.5, 0.001, 1e-6, 0.1)
@@ -134,25 +136,47 @@ def test_concurrent_writers_never_leave_a_partial_entry(tmp_path: Path) -> None:
     assert not list(cache.folder.glob(".entry-*")), "temporary files left behind"
 
 
-def test_a_build_reuses_the_cost_model_and_no_cache_measures_again(tiny_llama_engine: Path, tmp_path: Path) -> None:
+def test_a_build_reuses_the_cost_model_and_no_cache_measures_again(
+    tiny_llama_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a copy of the session's tiny engine: the first calibration measures and stores, the second
-    reuses the stored fit (engine.json says which), `reuse=False` (`--no-cache`) measures again."""
+    reuses the stored fit (engine.json says which), `reuse=False` (`--no-cache`) measures again.
+    Each timing gives a fit of its own (the real timing is step_budget's tests'), so which one an
+    engine ends with says where it came from, on a busy machine too."""
+    fits = iter(StepCostModel(float(n), 0.25, 0.5, 0.001, 1e-6, 0.1) for n in range(1, 10))
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda engine: next(fits))
     folder = tmp_path / "engine"
     shutil.copytree(tiny_llama_engine, folder)
     cache = CostModelCache(tmp_path / "cache")
     measured = calibrate_engine_folder(folder, dict, reuse=True, cache=cache)
+    assert measured is not None and measured.base_ms == 1.0
     assert EngineConfig.load(folder).build_info["cost_model"] == "measured"
     reused = calibrate_engine_folder(folder, dict, reuse=True, cache=cache)
     config = EngineConfig.load(folder)
     assert reused == measured and config.cost_model == measured and config.build_info["cost_model"] == "reused"
     again = calibrate_engine_folder(folder, dict, reuse=False, cache=cache)
-    assert EngineConfig.load(folder).build_info["cost_model"] == "measured" and again is not None
+    assert again is not None and again.base_ms == 2.0
+    assert EngineConfig.load(folder).build_info["cost_model"] == "measured"
     assert cache.get(CostModelKey.of(copy.deepcopy(config.to_json()), config.builder_version)) == again
 
 
+def test_a_noisy_fit_is_not_cached(tiny_llama_engine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fit timed on a busy machine (worst error past NOISY_FIT) serves its own engine only."""
+    folder = tmp_path / "engine"
+    shutil.copytree(tiny_llama_engine, folder)
+    cache = CostModelCache(tmp_path / "cache")
+    noisy = StepCostModel(4.0, 0.25, 0.5, 0.001, 1e-6, NOISY_FIT + 0.1)
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda engine: noisy)
+    assert calibrate_engine_folder(folder, dict, reuse=True, cache=cache) == noisy
+    assert EngineConfig.load(folder).cost_model == noisy
+    assert not list(cache.folder.glob("*.json"))
+
+
 def test_ifb_build_takes_the_session_cache(tiny_llama_dir: Path, tiny_llama_engine: Path, tmp_path: Path) -> None:
-    """A rebuild of the session's tiny engine (same source, same options) reuses its fit."""
+    """A rebuild of the session's tiny engine (same source, same options) takes the fit stored under
+    its key in the cache `ifb build` uses ($IFB_CACHE_DIR: the session's own, tests/conftest.py)."""
+    built = EngineConfig.load(tiny_llama_engine)
+    CostModelCache().put(CostModelKey.of(built.to_json(), built.builder_version), MODEL)
     build_engine(tiny_llama_dir, tmp_path / "again", BuildOptions(dtype="fp32", compute="fp32", **TINY_LIMITS))
     rebuilt = EngineConfig.load(tmp_path / "again")
-    assert rebuilt.build_info["cost_model"] == "reused"
-    assert rebuilt.cost_model == EngineConfig.load(tiny_llama_engine).cost_model
+    assert rebuilt.build_info["cost_model"] == "reused" and rebuilt.cost_model == MODEL
