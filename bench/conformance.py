@@ -11,7 +11,8 @@ llama-cpp-python sdist) to F32 and Q8_0, and the F32 file quantized to Q4_K_M by
 (built with llama-server by bench/peers.py's build_llama_server, from the same sdist). On each file:
 
 - transformers fp32 on the HF folder: the reference (never reads the GGUF);
-- llama-server (loopback, -np 1, -t 2, KV cache f32 so F32 files compare fp32 with fp32): POST
+- llama-server (loopback, -np 1, -t 2, KV cache f32 so F32 files compare fp32 with fp32,
+  --no-repack: its weight repack segfaults at load here on block files): POST
   /completion with the prompt as a JSON array of token ids (tokenize_mixed adds no BOS to an
   all-integer prompt, so tokenization cannot confound the comparison), temperature 0, n_probs =
   the whole vocabulary (pre-sampling logprobs from the raw logits), cache_prompt false,
@@ -100,19 +101,21 @@ def case_overrides(name: str) -> dict[str, Any]:
 
 
 def make_files(name: str, seed: int) -> dict[str, Path]:
-    """The HF folder and its F32, Q8_0 (llama.cpp's converter) and Q4_K_M (llama-quantize) GGUFs."""
+    """The HF folder and its F32 and Q8_0 GGUFs, written by llama.cpp's converter."""
     folder = WORK / name
     paths = {"hf": write_sharp_checkpoint(folder / "hf", CASES[name].family, seed=seed, **case_overrides(name))}
     for outtype in ("f32", "q8_0"):
         paths[outtype] = folder / f"{name}-{outtype}.gguf"
     convert_many([(paths["hf"], paths[o], o) for o in ("f32", "q8_0")])
-    paths["q4_k_m"] = folder / f"{name}-q4_k_m.gguf"
-    done = subprocess.run(
-        [str(LLAMA_QUANTIZE), str(paths["f32"]), str(paths["q4_k_m"]), "Q4_K_M"], capture_output=True, text=True
-    )
+    return paths
+
+
+def quantize_q4_k_m(f32: Path, out: Path) -> Path:
+    """llama-quantize's Q4_K_M of the F32 file (its own choice of types per tensor)."""
+    done = subprocess.run([str(LLAMA_QUANTIZE), str(f32), str(out), "Q4_K_M"], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"llama-quantize failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return paths
+    return out
 
 
 def tensor_types(path: Path) -> dict[str, int]:
@@ -188,7 +191,7 @@ def build_ifb(gguf: Path, compute: str, folder: Path, compile_step: bool) -> Eng
     # as tests/e2e/test_converter_conformance.py builds its engines: no AOT compile, no calibration
     with (
         mock.patch.object(builder_build, "compile_in_child_process", _uncompiled_step),
-        mock.patch.object(builder_build, "calibrate_engine_folder", lambda folder, build_info: None),
+        mock.patch.object(builder_build, "calibrate_engine_folder", lambda *args, **kwargs: None),
         mock.patch.object(compile_cpu, "build_quant_library", quant_library_once),
     ):
         build_engine(gguf, folder, options)
@@ -221,6 +224,9 @@ def run_llama(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: in
     cmd = [
         str(LLAMA_DIR / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "-np", "1", "-t", str(threads), "-c", "256", "-ctk", "f32", "-ctv", "f32",
+        # its CPU repack of Q8_0/K-quant weights (the AMX/extra buffer types) segfaults at load on
+        # this Xeon (AMX) for these files, 0.3.36; F32 files are not repacked either way
+        "--no-repack",
     ]  # fmt: skip
     server = Server("llama-server", cmd, log, f"http://127.0.0.1:{port}", "content")
     out: Run = []
@@ -239,11 +245,13 @@ def run_llama(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: in
             reply = httpx.post(server.url + "/completion", json=body, timeout=300)
             reply.raise_for_status()
             data = reply.json()
-            probs = data["completion_probabilities"]
-            tokens = [int(p["id"]) for p in probs]
-            if tokens != [int(t) for t in data["tokens"]]:
-                raise SystemExit(f"llama-server: completion_probabilities ids {tokens} != tokens {data['tokens']}")
-            first = {int(p["id"]): float(p["logprob"]) for p in probs[0]["top_logprobs"]}
+            # completion_probabilities has one entry per piece of text sent, not per token (byte-
+            # fallback tokens of one character share one): tokens come from return_tokens
+            tokens = [int(t) for t in data["tokens"]]
+            probs = data["completion_probabilities"][0]
+            if int(probs["id"]) != tokens[0]:
+                raise SystemExit(f"llama-server: first probabilities entry is {probs['id']}, first token {tokens[0]}")
+            first = {int(p["id"]): float(p["logprob"]) for p in probs["top_logprobs"]}
             out.append((first, tokens))
     finally:
         server.stop()
@@ -300,10 +308,11 @@ def run_case(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "files": {},
     }
     for file in FILES:
+        if file == "q4_k_m":
+            paths[file] = quantize_q4_k_m(paths["f32"], WORK / name / f"{name}-q4_k_m.gguf")
         gguf = paths[file]
         entry: dict[str, Any] = {"tensor_types": tensor_types(gguf), "engines": {}}
-        llama = run_llama(gguf, prompts, args.new_tokens, args.threads, WORK / name / f"llama-server-{file}.log")
-        entry["engines"]["llama.cpp"] = score(llama, reference, args.new_tokens)
+        runs: dict[str, Run] = {}
         for compute in ("fp32", "int8"):
             key = f"ifb {compute}"
             try:
@@ -313,12 +322,15 @@ def run_case(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                     raise
                 entry["engines"][key] = {"refused": str(error).splitlines()[0]}
                 continue
-            ours = run_ifb(engine, prompts, args.new_tokens, banned)
-            entry["engines"][key] = score(ours, reference, args.new_tokens)
-            # the second opinion read directly: ifb's greedy tokens against llama.cpp's on the same file
-            vs_llama = [agreed_prefix(a, b) for (_, a), (_, b) in zip(ours, llama, strict=True)]
-            entry["engines"][key]["agreed_prefix_vs_llama"] = vs_llama
+            runs[key] = run_ifb(engine, prompts, args.new_tokens, banned)
+            entry["engines"][key] = score(runs[key], reference, args.new_tokens)
             del engine
+        llama = run_llama(gguf, prompts, args.new_tokens, args.threads, WORK / name / f"llama-server-{file}.log")
+        entry["engines"] = {"llama.cpp": score(llama, reference, args.new_tokens), **entry["engines"]}
+        for key, ours in runs.items():  # the second opinion read directly: ifb's tokens vs llama.cpp's
+            entry["engines"][key]["agreed_prefix_vs_llama"] = [
+                agreed_prefix(a, b) for (_, a), (_, b) in zip(ours, llama, strict=True)
+            ]
         result["files"][file] = entry
         print(table_rows({name: result}, only=file), flush=True)
     result["seconds"] = round(time.perf_counter() - t0, 1)
