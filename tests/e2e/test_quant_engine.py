@@ -19,9 +19,9 @@ from step_cases import prompts, run_mixed_step
 from tiny_models import TINY_LIMITS
 from transformers import AutoModelForCausalLM
 
-from ifb.builder import gguf_tensors
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.errors import BuildError
+from ifb.builder.families.llama import Llama
 from ifb.plugins.quant_formats import WeightFormat, dequantize, quantize
 from ifb.runtime.engine_format import RECORD_SHA256, BackendKind, EngineConfig, record_sha256
 from ifb.runtime.errors import EngineFormatError
@@ -259,7 +259,7 @@ def test_qk_unpermutation_is_what_makes_blocks_match_transformers(
 ) -> None:
     """The reader's own Q/K row un-permutation is load-bearing: Q/K blocks left in llama.cpp's row
     order give other logits than transformers' load of the same file."""
-    monkeypatch.setattr(gguf_tensors, "PERMUTED_ARCHITECTURES", ())
+    monkeypatch.setattr(Llama, "gguf_permuted_qk", False)  # the family's fact the reader acts on
     folder = tmp_path / "engine"
     build_engine(tiny_q4_gguf, folder, BuildOptions(compute="fp32", **TINY_LIMITS))
     engine = Engine.load(folder, StepMode.COMPILED)
