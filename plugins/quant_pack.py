@@ -7,8 +7,8 @@ field is moved by one strided numpy copy from the blocks (the 16 columns of a ti
 and the only bytes computed are those whose bits move, in 8-byte words over a chunk's whole field:
 
   nibbles    the pair of weights a kernel byte holds sits in two source bytes' same-side nibbles:
-             one SWAR step per word makes both sides' bytes at once (`_pair_nibbles` for pack's
-             [2i, 2i+1] pairs, `_lane_nibbles` for pack_int8's [8g+b, 8g+4+b] lanes)
+             one SWAR step per word makes both sides' bytes at once (`_swap_index_bits` on `_PAIR_NIBBLES` for pack's
+             [2i, 2i+1] pairs, `_LANE_NIBBLES` for pack_int8's [8g+b, 8g+4+b] lanes)
   high bits  Q5_K's [32 bytes x 8 sub-blocks] bit matrix and Q6_K's 2-bit fields are transposed
              by delta swaps (`_swap_index_bits`), and pack_int8's lanes reorder them the same way
 
@@ -178,28 +178,11 @@ def _pack_chunk(src: np.ndarray, dst: np.ndarray, fmt: WeightFormat, int8_layout
         _high_bits(src, per_sub[..., :extra], fmt, int8_layout)
 
 
-def _pair_nibbles(words: np.ndarray) -> np.ndarray:
-    """Per 16-bit pair of source bytes (a, b): byte 0 <- low nibbles (a | b << 4), byte 1 <- high."""
-    out = words & 0xF00FF00FF00FF00F
-    moved = words >> 4
-    moved &= 0x00F000F000F000F0
-    out |= moved
-    np.left_shift(words, 4, out=moved)
-    moved &= 0x0F000F000F000F00
-    out |= moved
-    return out
-
-
-def _lane_nibbles(words: np.ndarray) -> np.ndarray:
-    """Per 8 source bytes (a[0..3], c[0..3]): low 4 bytes <- low nibbles (a[b] | c[b] << 4), high 4 <- high."""
-    out = words & 0xF0F0F0F00F0F0F0F
-    moved = words >> 28
-    moved &= 0x00000000F0F0F0F0
-    out |= moved
-    np.left_shift(words, 28, out=moved)
-    moved &= 0x0F0F0F0F00000000
-    out |= moved
-    return out
+# The nibble moves are delta swaps of bit positions: position bit 2 (low/high nibble of a byte)
+# exchanged with bit 3 (the next byte: pack's [2i, 2i+1] pairs) or bit 5 (the byte 4 later:
+# pack_int8's [8g+b, 8g+4+b] lanes), so both sides' low nibbles land in one byte and high in the other.
+_PAIR_NIBBLES = (2, 3)
+_LANE_NIBBLES = (2, 5)
 
 
 def _nibbles(src: np.ndarray, target: np.ndarray, fmt: WeightFormat, int8_layout: bool) -> None:
@@ -211,11 +194,11 @@ def _nibbles(src: np.ndarray, target: np.ndarray, fmt: WeightFormat, int8_layout
     span = 16 if block_weights(fmt) == 32 else 128
     words = np.ascontiguousarray(src[..., at : at + span]).view(np.uint64)
     if int8_layout:
-        units = _lane_nibbles(words).view(np.uint32)  # per 8 source bytes: (low, high) lanes
+        units = _swap_index_bits(words, *_LANE_NIBBLES).view(np.uint32)  # per 8 source bytes: (low, high) lanes
         per_run = 4  # units per 32 source bytes and side
         target = target.view(np.uint32)
     else:
-        units = _pair_nibbles(words).view(np.uint8)  # per 2 source bytes: (low, high) bytes
+        units = _swap_index_bits(words, *_PAIR_NIBBLES).view(np.uint8)  # per 2 source bytes: (low, high) bytes
         per_run = 16
     cols = TILE_COLUMNS
     if span == 16:  # legacy: weights 0..15 the low nibbles of 16 bytes, 16..31 the high ones
