@@ -1,12 +1,11 @@
 """Anthropic's Messages API: `POST /v1/messages` and `/v1/messages/count_tokens`, on the OpenAI
-chat route's request path (Routes: the model check, the chat prompt, the reasoning budget, the
-sampling parameters, one EngineClient call), answered in Anthropic's shapes, errors included."""
+chat route's request path (Routes' model check, then chat_requests.py: the chat prompt, the
+reasoning budget, the sampling parameters, one EngineClient call), answered in Anthropic's shapes, errors included."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -30,11 +29,12 @@ from ifb.runtime.server.anthropic_replies import (
     message_events,
     message_id,
 )
+from ifb.runtime.server.chat_requests import chat_prompt, prepare_chat
 from ifb.runtime.server.errors import ModelNotFound, validation_field
 from ifb.runtime.server.openai_protocol import ChatCompletionRequest
-from ifb.runtime.server.responses import Choice, ResponseShape, first_error
-from ifb.runtime.server.routes import Routes, _chat_prompt, _params, _reasoning_budget
-from ifb.runtime.server.streams import collect_all, first_delta, refuse_queue_timeouts
+from ifb.runtime.server.responses import first_error
+from ifb.runtime.server.routes import Routes
+from ifb.runtime.server.streams import collect_all, first_delta
 
 logger = logging.getLogger(__name__)
 MESSAGES_PATH = "/v1/messages"
@@ -62,23 +62,15 @@ class AnthropicMessages:
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         chat = self._checked(body, body.chat_request())
-        prompt, _ = await self._prompt(chat)
+        prompt, _ = await chat_prompt(self.routes.serving, chat)
         return {"input_tokens": len(prompt)}
 
     async def messages(self, body: MessagesRequest, raw: Request) -> Response:
-        chat = self._checked(body, body.chat_request())
-        prompt, tail = await self._prompt(chat)
-        tools = chat.tool_plan()
-        budget = _reasoning_budget(chat, self.routes.reasoning, tail)
-        params = _params(chat, 0, budget, self.routes._shows_special_tokens(chat, tools))
-        choice = Choice(0, 0, prompt, params)
-        (opened,) = await self.engine.open_streams([(prompt, params)])
-        stream = refuse_queue_timeouts(opened)
-        shape = ResponseShape(
-            message_id(), int(time.time()), body.model, True, self.engine.token_text, tools,
-            self.routes.reasoning, tail, self.routes.tool_parser,
-        )  # fmt: skip
-        if chat.stream:
+        chat = await prepare_chat(self.routes.serving, self._checked(body, body.chat_request()))
+        choice, stream = await chat.open_one()
+        params = choice.params
+        shape = chat.shape(message_id(), body.model)
+        if chat.body.stream:
             try:  # a queue timeout (429) surfaces before any byte is sent
                 first = await first_delta(stream)
             except BaseException:
@@ -112,12 +104,6 @@ class AnthropicMessages:
                 field="thinking",
             )
         return chat
-
-    async def _prompt(self, chat: ChatCompletionRequest) -> tuple[list[int], str]:
-        tools = chat.tool_plan().template_tools()
-        return await self.engine.off_loop(
-            _chat_prompt, self.engine, chat.chat_messages(), tools, chat.chat_template_kwargs, self.routes.reasoning
-        )
 
     def _stop_finder(self, stops: tuple[str, ...]) -> Callable[[list[RequestOutput]], Coroutine[Any, Any, str | None]]:
         """Which stop sequence ended a reply (none for a reply the engine ended otherwise)."""

@@ -6,8 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import replace
-from typing import Any, TypeAlias
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -16,9 +15,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ifb import __version__
 from ifb.runtime.engine_client import EngineClient
 from ifb.runtime.errors import AdmissionError
-from ifb.runtime.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser
-from ifb.runtime.reasoning_budget import ReasoningBudget
-from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.reasoning import ReasoningParser
+from ifb.runtime.server.chat_requests import (
+    ChatServing,
+    OpenAIRequest,
+    PreparedChat,
+    choice_params,
+    prepare_chat,
+)
 from ifb.runtime.server.errors import ModelNotFound, error_response
 from ifb.runtime.server.openai_protocol import (
     ChatCompletionRequest,
@@ -29,9 +33,7 @@ from ifb.runtime.server.openai_protocol import (
 from ifb.runtime.server.responses import Choice, ResponseShape, first_error
 from ifb.runtime.server.streams import close_all, collect_all, first_delta, refuse_queue_timeouts, sse_events
 from ifb.runtime.server.tool_parsers import ToolCallParser
-from ifb.runtime.server.tools import ToolPlan
 
-OpenAIRequest: TypeAlias = CompletionRequest | ChatCompletionRequest
 logger = logging.getLogger(__name__)
 
 
@@ -48,6 +50,7 @@ class Routes:
         self.tool_parser = tool_parser
         self.model_names = model_names
         self.model_id = model_names[0]
+        self.serving = ChatServing(engine, reasoning, tool_parser)  # the chat path all three APIs share
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -83,43 +86,34 @@ class Routes:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_request(body)
         prompts = await self.engine.off_loop(_completion_prompts, self.engine, body.prompt)
-        return await self.respond(raw, body, prompts, chat=False)
+        return await self.respond(raw, body, prompts)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(body)
-        tools = body.tool_plan()
-        messages = body.chat_messages()
-        prompt, tail = await self.engine.off_loop(
-            _chat_prompt, self.engine, messages, tools.template_tools(), body.chat_template_kwargs, self.reasoning
-        )
-        budget = _reasoning_budget(body, self.reasoning, tail)
-        return await self.respond(raw, body, [prompt], chat=True, tools=tools, prompt_tail=tail, budget=budget)
+        return await self.respond(raw, body, chat=await prepare_chat(self.serving, body))
 
     async def respond(
         self,
         raw: Request,
         body: OpenAIRequest,
-        prompts: list[list[int]],
-        chat: bool,
-        tools: ToolPlan | None = None,
-        prompt_tail: str = "",
-        budget: ReasoningBudget | None = None,
+        prompts: list[list[int]] | None = None,
+        chat: PreparedChat | None = None,
     ) -> Response:
-        """`prompt_tail`: the chat prompt's end as text, for a reasoning parser that reads it;
-        `budget`: every choice's reasoning budget."""
-        shows_special = tools is not None and self._shows_special_tokens(body, tools)
+        """A completion of `prompts`, or the `chat` request prepared from `body` (n choices each)."""
+        params = chat.params if chat is not None else lambda j: choice_params(body, j, None, False)
+        prompts = [chat.prompt_token_ids] if chat is not None else prompts or []
         choices = [
-            Choice(p_index * body.n + j, p_index, prompt, _params(body, j, budget, shows_special))
+            Choice(p_index * body.n + j, p_index, prompt, params(j))
             for p_index, prompt in enumerate(prompts)
             for j in range(body.n)
         ]
         opened = await self.engine.open_streams([(c.prompt_token_ids, c.params) for c in choices])
         streams = [refuse_queue_timeouts(s) for s in opened]
-        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created, token_text = int(time.time()), self.engine.token_text
-        shape = ResponseShape(
-            response_id, created, self.model_id, chat, token_text, tools, self.reasoning, prompt_tail, self.tool_parser
-        )
+        response_id = ("chatcmpl-" if chat is not None else "cmpl-") + uuid.uuid4().hex
+        if chat is not None:
+            shape = chat.shape(response_id, self.model_id)
+        else:
+            shape = ResponseShape(response_id, int(time.time()), self.model_id, False, self.engine.token_text)
         if body.stream:
             return await self._stream(shape, choices, streams, body)
         task = asyncio.ensure_future(collect_all(streams))
@@ -138,12 +132,6 @@ class Routes:
             logger.exception("shaping response %s failed", response_id)
             message = f"shaping the reply failed: {type(failure).__name__}: {failure}"
             return error_response(500, message, code="request_failed")
-
-    def _shows_special_tokens(self, body: OpenAIRequest, tools: ToolPlan) -> bool:
-        """A reply the tool-call parser reads for `auto` calls keeps its family's special-token
-        markers ([TOOL_CALLS], <|python_tag|>), unless the client said skip_special_tokens itself."""
-        markers = self.tool_parser.markers
-        return tools.mode == "auto" and markers.special_tokens and "skip_special_tokens" not in body.model_fields_set
 
     async def _stream(
         self, shape: ResponseShape, choices: list[Choice], streams: list[Any], body: OpenAIRequest
@@ -194,35 +182,3 @@ def _completion_prompts(engine: EngineClient, prompt: str | list[str] | list[int
     if all(isinstance(p, int) for p in prompt):
         return [engine.tokenize(prompt)]  # type: ignore[arg-type]
     return [engine.tokenize(p) for p in prompt]  # type: ignore[arg-type]
-
-
-def _params(body: OpenAIRequest, index: int, budget: ReasoningBudget | None, shows_special: bool) -> SamplingParams:
-    """Choice `index`'s parameters: the body's, with what the server decides for it."""
-    params = body.sampling_params(index)
-    skip = params.skip_special_tokens and not shows_special
-    return replace(params, reasoning_budget=budget, skip_special_tokens=skip)
-
-
-def _reasoning_budget(body: ChatCompletionRequest, reasoning: ReasoningParser, tail: str) -> ReasoningBudget | None:
-    """The request's reasoning budget, where its reply starts as the reasoning parser reads it."""
-    tokens = body.reasoning_budget_tokens()
-    if tokens is None:
-        return None
-    inside = reasoning.starts_inside(tail, guided=body.guided() is not None)
-    if inside is None:
-        field = "max_reasoning_tokens" if body.max_reasoning_tokens is not None else "thinking_budget"
-        raise AdmissionError(f"{field} needs a reasoning parser (--reasoning-parser qwen3|deepseek_r1)", field=field)
-    return ReasoningBudget(tokens, inside)
-
-
-def _chat_prompt(
-    engine: EngineClient,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    chat_template_kwargs: dict[str, Any] | None,
-    reasoning: ReasoningParser,
-) -> tuple[list[int], str]:
-    """The chat prompt's token ids, and its end as text when the reasoning parser reads it."""
-    ids = engine.apply_chat_template(messages, tools, chat_template_kwargs)
-    tail = engine.detokenize(ids[-PROMPT_TAIL_TOKENS:]) if reasoning.reads_prompt else ""
-    return ids, tail
