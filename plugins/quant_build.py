@@ -30,6 +30,8 @@ from torch.utils import cpp_extension
 _CSRC = Path(__file__).parent / "csrc"
 # Torch-free kernel translation units, compiled with the ISA flags.
 KERNEL_SOURCES = ("quant_matmul", "quant_matmul_int8", "paged_decode_attention")
+# Torch-side translation units (torch headers, no ISA flag): the ops' registrations and C shims.
+BINDING_SOURCES = ("quant_binding", "grouped_experts")
 _REBUILD_HINT = "rebuild the engine on this machine with `ifb build`"
 
 
@@ -108,13 +110,15 @@ def _compile_commands(isa: QuantIsa, out: Path) -> tuple[list[list[str]], list[s
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     # -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in ATen's headers; without
     # the flag it silently runs on one thread. Links libgomp.so.1, the SONAME torch already loaded.
-    binding = [*common, "-std=c++20", "-fopenmp", abi, *includes, str(_CSRC / "quant_binding.cpp")]
-    binding += ["-o", str(out / "binding.o")]
+    bindings = [
+        [*common, "-std=c++20", "-fopenmp", abi, *includes, str(_CSRC / f"{name}.cpp"), "-o", str(out / f"{name}.o")]
+        for name in BINDING_SOURCES
+    ]
     library_dir = cpp_extension.library_paths()[0]
-    objects = [str(out / f"{name}.o") for name in KERNEL_SOURCES]
-    link = ["g++", "-shared", "-fopenmp", "-Wl,-Bsymbolic", *objects, str(out / "binding.o")]
+    objects = [str(out / f"{name}.o") for name in (*KERNEL_SOURCES, *BINDING_SOURCES)]
+    link = ["g++", "-shared", "-fopenmp", "-Wl,-Bsymbolic", *objects]
     link += [f"-L{library_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{library_dir}", "-o"]
-    return [binding, *kernels], link  # the binding (torch's headers) takes longest: first
+    return [*bindings, *kernels], link  # the bindings (torch's headers) take longest: first
 
 
 # Compilers at once: the four used to run together, 1.16 GB of the 1B build tree's 2.0 GiB peak
@@ -135,13 +139,39 @@ def _run(commands: list[list[str]]) -> None:
             future.result()
 
 
+def library_name(isa: QuantIsa) -> str:
+    return f"libifb_quant_{isa.value}.so"
+
+
+def _compiler_version() -> str:
+    done = subprocess.run(
+        ["g++", "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
+    )
+    return done.stdout.splitlines()[0] if done.stdout else f"g++ exited {done.returncode}"
+
+
+def library_fingerprint(isa: QuantIsa) -> dict[str, object]:
+    """What the library's bytes depend on: every source and header, the commands (paths made
+    neutral), the compiler and torch (the binding's headers): a compile cache's key record."""
+    sources = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(_CSRC.iterdir())}
+    compiles, link = _compile_commands(isa, Path("/OUT"))
+    commands = [" ".join(command).replace(str(_CSRC), "CSRC") for command in [*compiles, link]]
+    return {
+        "isa": isa.value,
+        "sources": sources,
+        "commands": commands,
+        "compiler": _compiler_version(),
+        "torch": torch.__version__,
+    }
+
+
 def build_quant_library(out_dir: Path, isa: QuantIsa | None = None) -> QuantLibrary:
     """Compiles libifb_quant_<isa>.so into `out_dir` for `isa` (default: the best this CPU runs)."""
     chosen = isa if isa is not None else best_isa(cpu_features())
     out_dir.mkdir(parents=True, exist_ok=True)
     objects = out_dir / f"obj-{chosen.value}"
     objects.mkdir(exist_ok=True)
-    path = out_dir / f"libifb_quant_{chosen.value}.so"
+    path = out_dir / library_name(chosen)
     compiles, link = _compile_commands(chosen, objects)
     _run(compiles)
     _run([[*link, str(path)]])
@@ -159,6 +189,7 @@ def load_quant_library(path: Path, required_features: tuple[str, ...] | list[str
         raise QuantLibraryError(
             f"{path.name} needs CPU features this machine lacks: {', '.join(missing)}; {_REBUILD_HINT}"
         )
+    import ifb.plugins.grouped_experts  # noqa: F401  (and the MoE op's)
     import ifb.plugins.quant_ops  # noqa: F401  (defines the op schemas the library implements)
 
     # RTLD_GLOBAL: AOTInductor model libraries resolve aoti_torch_cpu_quant_matmul from it.

@@ -1,0 +1,206 @@
+// The mixture-of-experts layer as one op: a step's rows grouped by expert, each selected expert's
+// weights read once for all of its rows, experts no row selected not touched.
+//
+// y[r] = sum over r's top-k slots j, in ascending expert id, of w[r, j] * down_e(silu(gate_e(x[r])) * up_e(x[r]))
+// with e = ids[r, j] (transformers' Qwen3MoeExperts adds the experts' outputs in that order).
+//
+// Each expert's rows are gathered into a contiguous block and multiplied by the expert's weights
+// with the engine's own per-format matmul (quant_matmul.cpp / quant_matmul_int8.cpp: run_tiles and
+// run_tiles_int8, batch invariant by construction), so a row's result is bitwise the same whatever
+// other rows share its experts. Dense (fp32) experts take a plain loop with the same property: one
+// serial fp32 chain per output element, k = 0..K-1 (compiled with -ffp-contract=off and no
+// reassociation, so no vectorizer reorders a chain). Threads split output columns only.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "quant_kernels.h"
+
+#define IFB_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace ifb_quant {
+namespace {
+
+constexpr const char* kDense = "fp32";  // quant_formats.py's WeightFormat.FP32: a float32 [E, n, k] tensor
+
+// A stacked expert weight: dense float32 [E, n, k], or per-expert packed tiles uint8 [E, tiles, bytes].
+struct ExpertWeights {
+  bool dense;
+  Format format;  // block formats only
+  const uint8_t* data;
+  int64_t expert_bytes;  // bytes of one expert's weights
+  int64_t n;
+  int64_t k;
+};
+
+ExpertWeights expert_weights(const at::Tensor& w, c10::string_view format_name, int64_t num_experts, int64_t n,
+                             int64_t k, const char* what) {
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() >= 1 && w.size(0) == num_experts,
+              "ifb_quant: ", what, " must be a contiguous CPU tensor with ", num_experts, " experts, got ", w.sizes());
+  if (format_name == kDense) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(1) == n && w.size(2) == k, "ifb_quant: dense ",
+                what, " must be float32 [", num_experts, ", ", n, ", ", k, "], got ", w.scalar_type(), " ", w.sizes());
+    return {true, Format{}, static_cast<const uint8_t*>(w.const_data_ptr()), n * k * 4, n, k};
+  }
+  Format format{};
+  bool known = false;
+  for (const FormatInfo& info : kFormats)
+    if (format_name == info.name) format = info.format, known = true;
+  TORCH_CHECK(known, "ifb_quant: unknown expert weight format '", std::string(format_name), "'");
+  const int64_t weights = block_weights(format);
+  TORCH_CHECK(k % weights == 0, "ifb_quant: ", what, " K=", k, " is not a multiple of ", format_info(format).name,
+              "'s ", weights, "-weight block");
+  const int64_t bytes = num_tiles(n) * (k / weights) * kTileColumns * block_bytes(format);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.numel() == num_experts * bytes, "ifb_quant: packed ", what, " holds ",
+              w.numel(), " bytes, expected ", num_experts, " x ", bytes);
+  return {false, format, w.const_data_ptr<uint8_t>(), bytes, n, k};
+}
+
+// Output columns [begin, end) of y[m, n] = x[m, k] @ W^T for a dense W [n, k]: one serial chain each.
+void dense_columns(const float* x, int64_t m, const float* w, int64_t n, int64_t k, float* y, int64_t begin,
+                   int64_t end) {
+  for (int64_t j = begin; j < end; ++j) {
+    const float* row = w + j * k;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = x + r * k;
+      float acc = 0.0f;
+      for (int64_t i = 0; i < k; ++i) acc += xr[i] * row[i];
+      y[r * n + j] = acc;
+    }
+  }
+}
+
+// y[m, n] = x[m, k] @ W_e^T for expert e, by the weights' own kernel (int8: x quantized per row).
+void expert_matmul(const ExpertWeights& w, int64_t expert, bool int8, const float* x, int64_t m, float* y) {
+  const uint8_t* weights = w.data + expert * w.expert_bytes;
+  const int64_t n = w.n, k = w.k;
+  if (w.dense) {
+    const float* dense = reinterpret_cast<const float*>(weights);
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, m * k));
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { dense_columns(x, m, dense, n, k, y, begin, end); });
+    return;
+  }
+  const int64_t tiles = num_tiles(n);
+  const int64_t grain = std::max<int64_t>(kGroupTiles, (int64_t{1} << 15) / std::max<int64_t>(1, m * k * kTileColumns));
+  if (!int8) {
+    const Problem problem{x, k, weights, y, n, m, n, k, w.format};
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { run_tiles(problem, begin, end); });
+    return;
+  }
+  const int64_t blocks = k / kBlockSize;
+  std::vector<int8_t> xq(static_cast<size_t>(m * k));
+  std::vector<float> scales(static_cast<size_t>(m * blocks)), scaled_sums(static_cast<size_t>(m * blocks));
+  std::vector<int32_t> sums(static_cast<size_t>(m * blocks)), half_sums(static_cast<size_t>(2 * m * blocks));
+  const Int8Activations activations{xq.data(), k, scales.data(), sums.data(), scaled_sums.data(), half_sums.data(),
+                                    blocks};
+  quantize_rows_int8(x, k, k, 0, m, activations);
+  const Int8Problem problem{xq.data(), k, scales.data(), sums.data(), scaled_sums.data(), half_sums.data(), blocks,
+                            weights, y, n, m, n, k, w.format};
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { run_tiles_int8(problem, begin, end); });
+}
+
+bool int8_compute(c10::string_view compute) {
+  if (compute == "int8") return true;
+  TORCH_CHECK(compute == "fp32", "ifb_quant: unknown compute mode '", std::string(compute), "' (fp32, int8)");
+  return false;
+}
+
+at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights_,
+                           const at::Tensor& gate_up, const at::Tensor& down, c10::string_view gate_up_format,
+                           c10::string_view down_format, c10::string_view compute, int64_t intermediate) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "ifb_quant: x must be a CPU float32 tensor [rows, hidden], got ", x.sizes());
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(expert_ids.scalar_type() == at::kLong && expert_ids.dim() == 2 && expert_ids.size(0) == rows,
+              "ifb_quant: expert_ids must be int64 [", rows, ", top_k], got ", expert_ids.sizes());
+  const int64_t top_k = expert_ids.size(1);
+  TORCH_CHECK(expert_weights_.scalar_type() == at::kFloat && expert_weights_.sizes() == expert_ids.sizes(),
+              "ifb_quant: expert_weights must be float32 ", expert_ids.sizes(), ", got ", expert_weights_.sizes());
+  const int64_t num_experts = gate_up.dim() >= 1 ? gate_up.size(0) : 0;
+  TORCH_CHECK(intermediate > 0 && num_experts > 0, "ifb_quant: need experts and intermediate > 0");
+  const bool int8 = int8_compute(compute);
+  const ExpertWeights up = expert_weights(gate_up, gate_up_format, num_experts, 2 * intermediate, hidden, "gate_up");
+  const ExpertWeights dn = expert_weights(down, down_format, num_experts, hidden, intermediate, "down");
+  TORCH_CHECK(!int8 || (!up.dense && !dn.dense), "ifb_quant: int8 compute needs block-format expert weights");
+  const at::Tensor xs = x.contiguous(), ids = expert_ids.contiguous(), ws = expert_weights_.contiguous();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  // The rows of each expert, in row order (a counting sort): slot r * top_k + j of row r
+  std::vector<int64_t> count(static_cast<size_t>(num_experts) + 1, 0);
+  for (int64_t s = 0; s < rows * top_k; ++s) {
+    TORCH_CHECK(id[s] >= 0 && id[s] < num_experts, "ifb_quant: expert id ", id[s], " of row ", s / top_k,
+                " is outside [0, ", num_experts, ")");
+    ++count[static_cast<size_t>(id[s]) + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) count[e + 1] += count[e];
+  std::vector<int64_t> slots(static_cast<size_t>(rows * top_k));
+  std::vector<int64_t> next(count.begin(), count.end() - 1);
+  for (int64_t s = 0; s < rows * top_k; ++s) slots[next[id[s]]++] = s;
+  // Each slot's expert output, before its routing weight
+  at::Tensor outputs = at::empty({rows * top_k, hidden}, x.options());
+  float* out = outputs.mutable_data_ptr<float>();
+  const float* xd = xs.const_data_ptr<float>();
+  std::vector<float> gathered, hidden_up, act;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t begin = count[e], m = count[e + 1] - begin;
+    if (m == 0) continue;  // no row chose it: its weights are not read
+    gathered.resize(static_cast<size_t>(m * hidden));
+    for (int64_t i = 0; i < m; ++i)
+      std::copy_n(xd + slots[begin + i] / top_k * hidden, hidden, gathered.data() + i * hidden);
+    hidden_up.resize(static_cast<size_t>(m * 2 * intermediate));
+    expert_matmul(up, e, int8, gathered.data(), m, hidden_up.data());
+    act.resize(static_cast<size_t>(m * intermediate));
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = 0; c < intermediate; ++c) {
+        const float g = hidden_up[i * 2 * intermediate + c], u = hidden_up[i * 2 * intermediate + intermediate + c];
+        act[i * intermediate + c] = g / (1.0f + std::exp(-g)) * u;  // silu(gate) * up
+      }
+    gathered.resize(static_cast<size_t>(m * hidden));
+    expert_matmul(dn, e, int8, act.data(), m, gathered.data());
+    for (int64_t i = 0; i < m; ++i) std::copy_n(gathered.data() + i * hidden, hidden, out + slots[begin + i] * hidden);
+  }
+  // Each row's weighted sum over its slots in ascending expert id: depends on that row only
+  at::Tensor y = at::empty({rows, hidden}, x.options());
+  float* yd = y.mutable_data_ptr<float>();
+  const float* wd = ws.const_data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t row_begin, int64_t row_end) {
+    std::vector<int64_t> order(static_cast<size_t>(top_k));
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      for (int64_t j = 0; j < top_k; ++j) order[j] = r * top_k + j;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+      float* yr = yd + r * hidden;
+      std::fill_n(yr, hidden, 0.0f);
+      for (const int64_t s : order)
+        for (int64_t c = 0; c < hidden; ++c) yr[c] += out[s * hidden + c] * wd[s];
+    }
+  });
+  return y;
+}
+
+}  // namespace
+}  // namespace ifb_quant
+
+TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) { m.impl("grouped_experts", &ifb_quant::grouped_experts); }
+
+IFB_EXPORT AOTITorchError aoti_torch_cpu_grouped_experts(AtenTensorHandle x, AtenTensorHandle expert_ids,
+                                                          AtenTensorHandle expert_weights, AtenTensorHandle gate_up,
+                                                          AtenTensorHandle down, const char* gate_up_format,
+                                                          const char* down_format, const char* compute,
+                                                          int64_t intermediate, AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    at::Tensor y = ifb_quant::grouped_experts(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(expert_ids),
+        *tensor_handle_to_tensor_pointer(expert_weights), *tensor_handle_to_tensor_pointer(gate_up),
+        *tensor_handle_to_tensor_pointer(down), gate_up_format, down_format, compute, intermediate);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
+  });
+}

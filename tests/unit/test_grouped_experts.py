@@ -1,0 +1,158 @@
+"""The grouped mixture-of-experts op (plugins/grouped_experts.py, csrc/grouped_experts.cpp).
+
+Pins: the op is the per-row, per-expert definition (float64 reference from the weights the kernel
+reads: dense, or the blocks dequantized) for dense experts and block formats in both compute modes;
+a row's bits are the same alone and in a batch (rows sharing its experts or not, in any order);
+a step where no row selects some experts never reads those experts' weights (NaN weights there do
+not reach the output), and one where every row selects the same expert is still each row alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_cases import random_x
+
+from ifb.plugins import quant_ops
+from ifb.plugins.grouped_experts import grouped_experts, reference_grouped_experts
+from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+from ifb.plugins.quant_formats import WeightCompute, WeightFormat, dequantize, quantize
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 64, 6, 2
+DENSE = WeightFormat.FP32
+# (weight format, compute mode): every compute mode each weight path has
+CASES = [
+    (DENSE, WeightCompute.FP32),
+    (WeightFormat.Q8_0, WeightCompute.FP32),
+    (WeightFormat.Q8_0, WeightCompute.INT8),
+    (WeightFormat.Q4_0, WeightCompute.FP32),
+    (WeightFormat.Q4_0, WeightCompute.INT8),
+]
+IDS = [f"{fmt.value}-{compute.value}" for fmt, compute in CASES]
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
+    built = build_quant_library(tmp_path_factory.mktemp("grouped-experts-lib"))
+    load_quant_library(built.path, built.required_features)
+    return built
+
+
+class Experts:
+    """Random stacked experts as the op takes them, and the exact fp32 weights the kernel reads."""
+
+    def __init__(self, fmt: WeightFormat, compute: WeightCompute, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        gate_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) * HIDDEN**-0.5
+        down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * INTERMEDIATE**-0.5
+        self.fmt, self.compute = fmt, compute
+        if fmt is DENSE:
+            self.gate_up, self.down = gate_up.contiguous(), down.contiguous()
+            self.exact = (gate_up, down)
+            return
+        packer = quant_ops.pack_int8 if compute is WeightCompute.INT8 else quant_ops.pack
+        stacked, exact = [], []
+        for weights in (gate_up, down):
+            blocks = [quantize(w, fmt) for w in weights]
+            n, k = weights.shape[1:]
+            stacked.append(torch.stack([packer(b, fmt, n, k) for b in blocks]).contiguous())
+            exact.append(torch.stack([dequantize(b, fmt).reshape(n, k) for b in blocks]))
+        self.gate_up, self.down = stacked
+        self.exact = (exact[0], exact[1])
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(
+            x, ids, weights, self.gate_up, self.down, (self.fmt, self.fmt), self.compute, INTERMEDIATE
+        )
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return reference_grouped_experts(x, ids, weights, *self.exact, INTERMEDIATE)
+
+
+def routing(
+    rows: int, seed: int, experts: tuple[int, ...] = tuple(range(EXPERTS))
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct top-k ids per row drawn from `experts`, and softmax-like weights summing to 1."""
+    generator = torch.Generator().manual_seed(seed)
+    choices = torch.tensor(experts)
+    ids = torch.stack([choices[torch.randperm(len(experts), generator=generator)[:TOP_K]] for _ in range(rows)])
+    weights = torch.softmax(torch.randn(rows, TOP_K, generator=generator), dim=-1)
+    return ids.to(torch.int64), weights
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_the_op_is_the_per_row_per_expert_definition(
+    library: QuantLibrary, fmt: WeightFormat, compute: WeightCompute
+) -> None:
+    """Against float64 on the kernel's exact weights: fp32 rounding only (dense, block fp32), or
+    the int8 activations' quantization (~1% of the output's scale)."""
+    experts = Experts(fmt, compute)
+    x = random_x(13, HIDDEN, seed=3)
+    ids, weights = routing(13, seed=4)
+    ours = experts(x, ids, weights).double()
+    expected = experts.reference(x, ids, weights)
+    error = (ours - expected).abs().max().item() / expected.abs().max().item()
+    assert error < (2e-2 if compute is WeightCompute.INT8 else 1e-5), error
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_a_rows_bits_are_the_same_alone_and_in_any_batch(
+    library: QuantLibrary, fmt: WeightFormat, compute: WeightCompute
+) -> None:
+    experts = Experts(fmt, compute, seed=1)
+    x = random_x(21, HIDDEN, seed=5)
+    ids, weights = routing(21, seed=6)
+    batched = experts(x, ids, weights)
+    reversed_rows = experts(x.flip(0), ids.flip(0), weights.flip(0)).flip(0)
+    for row in range(21):
+        alone = experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1])
+        assert torch.equal(alone[0], batched[row]), row
+        assert torch.equal(alone[0], reversed_rows[row]), row
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_experts_no_row_selects_are_not_read(library: QuantLibrary, fmt: WeightFormat, compute: WeightCompute) -> None:
+    """Rows routed to experts 0-2 only: experts 3-5 hold NaN (dense) or NaN scales (blocks), and the
+    output is finite and the rows' own."""
+    experts = Experts(fmt, compute, seed=2)
+    x = random_x(9, HIDDEN, seed=7)
+    ids, weights = routing(9, seed=8, experts=(0, 1, 2))
+    clean = experts(x, ids, weights)
+    if fmt is DENSE:
+        experts.gate_up[3:] = float("nan")
+        experts.down[3:] = float("nan")
+    else:  # every byte 0xFF: every fp16 scale field is a NaN
+        experts.gate_up[3:] = 255
+        experts.down[3:] = 255
+    poisoned = experts(x, ids, weights)
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned, clean)
+    every = torch.full((1, TOP_K), 4, dtype=torch.int64)
+    every[0, 1] = 5
+    assert not torch.isfinite(experts(x[:1], every, weights[:1])).all()  # the poison is read when selected
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_every_row_on_the_same_expert_is_each_row_alone(
+    library: QuantLibrary, fmt: WeightFormat, compute: WeightCompute
+) -> None:
+    experts = Experts(fmt, compute, seed=3)
+    rows = 17
+    x = random_x(rows, HIDDEN, seed=9)
+    ids = torch.stack([torch.tensor([2, (row % (EXPERTS - 1) + 3) % EXPERTS]) for row in range(rows)]).to(torch.int64)
+    weights = torch.softmax(torch.randn(rows, TOP_K, generator=torch.Generator().manual_seed(10)), dim=-1)
+    batched = experts(x, ids, weights)
+    for row in range(rows):
+        assert torch.equal(experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1])[0], batched[row])
+    expected = experts.reference(x, ids, weights)
+    error = (batched.double() - expected).abs().max().item() / expected.abs().max().item()
+    assert error < (2e-2 if compute is WeightCompute.INT8 else 1e-5), error
+
+
+def test_an_expert_id_outside_the_experts_is_refused(library: QuantLibrary) -> None:
+    experts = Experts(DENSE, WeightCompute.FP32)
+    x = random_x(2, HIDDEN, seed=11)
+    ids, weights = routing(2, seed=12)
+    ids[1, 0] = EXPERTS
+    with pytest.raises(RuntimeError, match=f"expert id {EXPERTS} of row 1 is outside"):
+        experts(x, ids, weights)
