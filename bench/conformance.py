@@ -1,7 +1,7 @@
 """llama.cpp's numerics as a second opinion: llama-server vs ifb (both compute modes) vs transformers.
 
     .venv/bin/python bench/conformance.py [--cases llama,qwen3,gemma3,...] [--append] [--compile]
-                                          [--prompts 6] [--new-tokens 32] [--skip-build]
+                                          [--prompts N] [--files q4_k_m,...] [--new-tokens 32] [--skip-build]
 
 For each case (a family of tests/e2e/test_converter_conformance.py's CASES, at K-quant-friendly
 sizes: hidden 256, intermediate 512, head_dim 64, so every weight row is a multiple of 256) a tiny
@@ -59,7 +59,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / "tests" / "
 
 from greedy_loop import scattered_blocks  # noqa: E402
 from llama_cpp_converter import LLAMA_CPP_PYTHON_VERSION, convert_many  # noqa: E402
-from peers import LLAMA_DIR, LLAMA_TARGETS, OUT, Server, build_llama_server, free_port  # noqa: E402
+from peers import LLAMA_DIR, LLAMA_TARGETS, OUT, Server, build_llama_server, common_prefix, free_port  # noqa: E402
 from sharp_models import VOCAB_SIZE, write_sharp_checkpoint  # noqa: E402
 from step_cases import prompts as random_prompts  # noqa: E402
 from test_converter_conformance import CASES, _uncompiled_step, oracle  # noqa: E402
@@ -263,39 +263,54 @@ def run_llama(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: in
 # ---------------------------------------------------------------------------------------------
 
 
-def agreed_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def score(run: Run, reference: Run, new_tokens: int) -> dict[str, Any]:
-    prefixes, deltas = [], []
-    for (first, tokens), (ref_first, ref_tokens) in zip(run, reference, strict=True):
-        prefixes.append(agreed_prefix(tokens, ref_tokens))
+def first_token_distances(run: Run, reference: Run) -> list[list[float]]:
+    """Per prompt, |logprob - the reference's| over the reference's top TOP_K at the first position."""
+    out = []
+    for (first, _), (ref_first, _) in zip(run, reference, strict=True):
         top = sorted(ref_first, key=lambda t: -ref_first[t])[:TOP_K]
         missing = [t for t in top if t not in first]
         if missing:
             raise SystemExit(f"the engine returned no logprob for the reference's top ids {missing}")
-        deltas.extend(abs(first[t] - ref_first[t]) for t in top)
+        out.append([abs(first[t] - ref_first[t]) for t in top])
+    return out
+
+
+def spread(values: list[float]) -> list[float]:
+    """Quartiles (25th, 50th, 75th percentile) of values."""
+    return [float(q) for q in statistics.quantiles(values, n=4, method="inclusive")]
+
+
+def score(run: Run, reference: Run, new_tokens: int) -> dict[str, Any]:
+    prefixes = [common_prefix(tokens, ref_tokens) for (_, tokens), (_, ref_tokens) in zip(run, reference, strict=True)]
+    per_prompt = first_token_distances(run, reference)
+    deltas = [d for prompt in per_prompt for d in prompt]
     return {
         "agreed_prefix": prefixes,
         "prompts_equal": sum(p == new_tokens for p in prefixes),
         "mean_prefix": statistics.fmean(prefixes),
         "median_dlogprob": statistics.median(deltas),
         "max_dlogprob": max(deltas),
+        "dlogprob_quartiles": spread(deltas),
+        # per prompt, the median over its top 8: the unit a paired comparison of engines counts
+        "prompt_median_dlogprob": [statistics.median(prompt) for prompt in per_prompt],
         "tokens": [tokens for _, tokens in run],
     }
+
+
+def vs_dequantized(run: Run, ifb_fp32: Run) -> dict[str, Any]:
+    """First-token distance from ifb fp32 on the same file: the file's weights dequantized exactly
+    and multiplied in fp32, so what is left is the engine's own arithmetic (activation
+    quantization, 16-bit intermediates), not the file's weight rounding."""
+    deltas = [d for prompt in first_token_distances(run, ifb_fp32) for d in prompt]
+    return {"median_dlogprob": statistics.median(deltas), "quartiles": spread(deltas), "max_dlogprob": max(deltas)}
 
 
 def run_case(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     shutil.rmtree(WORK / name, ignore_errors=True)  # the builder writes no engine over an old one
     paths = make_files(name, seed)
-    prompts = random_prompts(VOCAB_SIZE, list(args.lengths), seed=11)
+    lengths = [args.lengths[i % len(args.lengths)] for i in range(args.prompts or len(args.lengths))]
+    prompts = random_prompts(VOCAB_SIZE, lengths, seed=11)
     banned = eog_ids(paths["f32"])
     print(f"[{name}] files written; EOG ids banned for all: {banned}", flush=True)
     reference = run_transformers(paths["hf"], prompts, args.new_tokens, banned)
@@ -307,7 +322,7 @@ def run_case(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "transformers_tokens": [tokens for _, tokens in reference],
         "files": {},
     }
-    for file in FILES:
+    for file in args.files:
         if file == "q4_k_m":
             paths[file] = quantize_q4_k_m(paths["f32"], WORK / name / f"{name}-q4_k_m.gguf")
         gguf = paths[file]
@@ -329,8 +344,11 @@ def run_case(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         entry["engines"] = {"llama.cpp": score(llama, reference, args.new_tokens), **entry["engines"]}
         for key, ours in runs.items():  # the second opinion read directly: ifb's tokens vs llama.cpp's
             entry["engines"][key]["agreed_prefix_vs_llama"] = [
-                agreed_prefix(a, b) for (_, a), (_, b) in zip(ours, llama, strict=True)
+                common_prefix(a, b) for (_, a), (_, b) in zip(ours, llama, strict=True)
             ]
+        if file != "f32":  # each engine's own arithmetic, the file's rounding taken out
+            entry["engines"]["llama.cpp"]["vs_ifb_fp32"] = vs_dequantized(llama, runs["ifb fp32"])
+            entry["engines"]["ifb int8"]["vs_ifb_fp32"] = vs_dequantized(runs["ifb int8"], runs["ifb fp32"])
         result["files"][file] = entry
         print(table_rows({name: result}, only=file), flush=True)
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -382,8 +400,13 @@ def verdicts(results: dict[str, Any]) -> list[str]:
             else:
                 ours, theirs = e["ifb int8"]["median_dlogprob"], e["llama.cpp"]["median_dlogprob"]
                 word = "no farther" if ours <= theirs else "FARTHER"
+                ifb_prompts = e["ifb int8"].get("prompt_median_dlogprob")  # absent in older outputs
+                paired = ""
+                if ifb_prompts is not None:
+                    pairs = zip(ifb_prompts, e["llama.cpp"]["prompt_median_dlogprob"], strict=True)
+                    paired = f"; ifb farther on {sum(a > b for a, b in pairs)} of {len(ifb_prompts)} prompts"
                 lines.append(
-                    f"{name} {file.upper()}: ifb int8 {word} than llama.cpp (median {ours:.3g} vs {theirs:.3g})"
+                    f"{name} {file.upper()}: ifb int8 {word} than llama.cpp (median {ours:.3g} vs {theirs:.3g}{paired})"
                 )
     return lines
 
@@ -399,6 +422,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--lengths", default="11,24,37,50", help="prompt lengths in tokens (<= 64)")
+    parser.add_argument(
+        "--prompts", type=int, default=0, help="how many prompts, lengths cycled (default: one per length)"
+    )
+    parser.add_argument("--files", default=",".join(FILES), help=f"of {', '.join(FILES)}")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t; torch threads")
     parser.add_argument("--compile", action="store_true", help="AOT-compile ifb's step (default: eager)")
@@ -408,6 +435,11 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=OUT / "conformance.json")
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.files = args.files.split(",")
+    if set(args.files) - set(FILES):
+        raise SystemExit(f"--files: unknown {sorted(set(args.files) - set(FILES))}; known: {', '.join(FILES)}")
+    if args.prompts < 0:
+        raise SystemExit(f"--prompts: {args.prompts} < 0")
     names = args.cases.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown:

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -535,7 +535,8 @@ def table(results: dict[str, dict[str, Any]], clients: int) -> tuple[str, dict[s
     return "\n".join(lines), ratios
 
 
-def common_prefix(a: str, b: str) -> int:
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items (characters, token ids) a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
