@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics, and Anthropic's /v1/messages. Admission: 400 for bad input, 429 at once when full, 401
-without the key, 503 when the step loop cannot serve."""
+/metrics, OpenAI's /v1/responses and Anthropic's /v1/messages. Admission: 400 for bad input, 429
+at once when full, 401 without the key, 503 when the step loop cannot serve."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ifb.runtime.reasoning import ReasoningParserKind, make_reasoning_parser
 from ifb.runtime.server.anthropic_messages import anthropic_router
 from ifb.runtime.server.errors import ModelNotFound, error_response, validation_field
 from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware
+from ifb.runtime.server.responses_api import add_responses_routes
 from ifb.runtime.server.routes import Routes
 from ifb.runtime.server.tool_parsers import ToolCallParserKind, make_tool_call_parser, tool_call_parser_for_template
 
@@ -72,6 +73,7 @@ def create_app(
     app.get("/version")(routes.version)
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.metrics_text)
+    add_responses_routes(app, routes)  # /v1/responses, OpenAI's Responses API
     app.include_router(anthropic_router(routes, engine.retry_after_s))  # /v1/messages, Anthropic's shapes
     return app
 
