@@ -14,7 +14,8 @@ The translation, item by item:
   required / {type: function, name} map one to one; `text.format` json_schema / json_object is
   chat's `response_format` (guided decoding);
 - `max_output_tokens` is `max_tokens`; `reasoning.effort` `none` turns the template's
-  `enable_thinking` off, `medium` (the default) leaves the template's own choice.
+  `enable_thinking` off, `medium` (the default) leaves the template's own choice; ifb's
+  `max_reasoning_tokens` is the chat route's reasoning budget.
 
 Unknown fields are refused (400, naming them); so are the fields OpenAI defines whose behaviour
 this server does not have (built-in tools, `background`, `conversation`, `prompt`,
@@ -103,6 +104,8 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None  # the prefix cache is automatic: a routing hint, nothing more
     service_tier: Literal["auto", "default"] | None = None
     truncation: Literal["disabled"] | None = None  # `auto` (dropping earlier turns) is not done
+    # ifb's, as on the chat route: the tokens the reply's think block may hold (--reasoning-parser)
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
     # OpenAI's fields that change behaviour this server does not have: declared to be refused by name.
     background: bool | None = None
     conversation: Any = None
@@ -133,7 +136,7 @@ class ResponsesRequest(_Strict):
         if not messages:
             raise AdmissionError("input has no messages", field="input")
         fields: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens}
-        for name in ("temperature", "top_p", "parallel_tool_calls"):
+        for name in ("temperature", "top_p", "parallel_tool_calls", "max_reasoning_tokens"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         if self.tools:

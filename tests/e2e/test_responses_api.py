@@ -235,6 +235,7 @@ def test_stored_responses_and_previous_response_id(base: str) -> None:
         ({"conversation": "conv_1"}, "conversation", "conversation"),
         ({"max_tool_calls": 2}, "max_tool_calls", "max_tool_calls"),
         ({"previous_response_id": "resp_missing"}, "previous_response_id", "resp_missing"),
+        ({"max_reasoning_tokens": 2}, "max_reasoning_tokens", "reasoning parser"),  # none on this server
     ],
 )
 def test_unsupported_fields_are_refused_by_name(base: str, extra: dict[str, Any], param: str, said: str) -> None:
@@ -253,24 +254,32 @@ def test_an_unknown_model_is_a_404(base: str) -> None:
 
 def test_reasoning_comes_as_a_reasoning_item(base: str, thinking_base: str) -> None:
     """The template opened <think>: the reasoning item holds what chat's reasoning_content
-    holds, streamed as reasoning_text deltas (before any output_text ones); effort none turns
-    thinking off in the template."""
+    holds; with a budget of 3 tokens the reasoning is the first 3 tokens' text, then a message,
+    streamed as reasoning_text deltas before output_text deltas; effort none turns thinking off
+    in the template."""
     client = sdk(thinking_base)
-    response = client.responses.create(input="hi", max_output_tokens=24, **GREEDY)
+    unbudgeted = client.responses.create(input="hi", max_output_tokens=24, **GREEDY)
     reply = chat(thinking_base, messages=[{"role": "user", "content": "hi"}], max_tokens=24, temperature=0)
-    message = reply["choices"][0]["message"]
-    reasoning = response.output[0]
-    assert reasoning.type == "reasoning" and reasoning.content is not None
-    assert reasoning.content[0].text == message["reasoning_content"]
-    assert response.output_text == (message["content"] or "")
-    assert response.usage is not None
-    assert 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens
-    events = list(client.responses.create(input="hi", max_output_tokens=24, stream=True, **GREEDY))
-    deltas = [e for e in events if e.type in ("response.reasoning_text.delta", "response.output_text.delta")]
-    kinds = [e.type for e in deltas]
-    assert kinds == sorted(kinds, reverse=True) and kinds[0] == "response.reasoning_text.delta"
-    assert "".join(e.delta for e in deltas if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
+    assert [item.type for item in unbudgeted.output] == ["reasoning"]  # 24 tokens stay inside the block
+    assert _reasoning_text(unbudgeted) == reply["choices"][0]["message"]["reasoning_content"]
+    first_three = client.responses.create(input="hi", max_output_tokens=3, **GREEDY)
+    budget: dict[str, Any] = {"max_reasoning_tokens": 3}
+    response = client.responses.create(input="hi", max_output_tokens=24, extra_body=budget, **GREEDY)
+    assert [item.type for item in response.output] == ["reasoning", "message"] and response.output_text
+    assert _reasoning_text(response) == _reasoning_text(first_three)
+    usage = response.usage
+    assert usage is not None and 3 <= usage.output_tokens_details.reasoning_tokens < usage.output_tokens
+    events = list(client.responses.create(input="hi", max_output_tokens=24, stream=True, extra_body=budget, **GREEDY))
+    kinds = [e.type for e in events if e.type in ("response.reasoning_text.delta", "response.output_text.delta")]
+    assert kinds == sorted(kinds, reverse=True) and "response.output_text.delta" in kinds  # reasoning first
+    streamed = events[-1].response  # type: ignore[union-attr]
+    assert _reasoning_text(streamed) == _reasoning_text(response) and streamed.output_text == response.output_text
     off = client.responses.create(input="hi", max_output_tokens=4, reasoning={"effort": "none"}, **GREEDY)
     assert [item.type for item in off.output] == ["message"]  # the template closed the block
     plain = sdk(base).responses.create(input="hi", max_output_tokens=4, **GREEDY)
     assert [item.type for item in plain.output] == ["message"]  # no parser: the reply as generated
+
+
+def _reasoning_text(response: Any) -> str:
+    (item,) = [item for item in response.output if item.type == "reasoning"]
+    return "".join(part.text for part in item.content)
