@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from ifb.builder.artifact_cache import ArtifactCache
 from ifb.builder.compile_cpu import build_engine_kernels, compile_cpu_engine
 from ifb.builder.compile_tensorrt import compile_tensorrt_engine, tensorrt_dtype
 from ifb.builder.compiled_step import CompiledStep
@@ -26,8 +27,15 @@ class BackendCompiler(Protocol):
         """`auto` or an alias -> the dtype this backend builds; raises BuildError if unusable."""
         ...
 
-    def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
-        """Write the step artifact into `folder`."""
+    def compile(
+        self,
+        network: StepNetwork,
+        limits: EngineLimits,
+        kv_cache: torch.Tensor,
+        folder: Path,
+        cache: ArtifactCache | None,
+    ) -> CompiledStep:
+        """Write the step artifact into `folder`, copying what `cache` holds for the same code."""
         ...
 
 
@@ -35,14 +43,27 @@ class CpuCompiler:
     def resolve_dtype(self, dtype: str) -> str:
         return normalize_dtype(dtype)
 
-    def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
-        kernels = build_engine_kernels(folder) if network.weight_formats else None
+    def compile(
+        self,
+        network: StepNetwork,
+        limits: EngineLimits,
+        kv_cache: torch.Tensor,
+        folder: Path,
+        cache: ArtifactCache | None,
+    ) -> CompiledStep:
+        reused: list[str] = []
+        kernels = None
+        if network.weight_formats:
+            kernels, kernels_reused = build_engine_kernels(folder, cache)
+            reused += ["kernels"] if kernels_reused else []
         # Block engines bind their weights from the weights file at load, so they are stored once;
         # dense ones keep freezing's prepacked (MKL/oneDNN) constants inside the package.
         external = bool(network.weight_formats)
         ensure_free_space(folder, _step_package_bytes(network, external), STEP_PACKAGE)
-        compile_cpu_engine(network, limits, kv_cache, folder / STEP_PACKAGE, constants_in_package=not external)
-        return CompiledStep(step_package=STEP_PACKAGE, kernels=kernels, constants_external=external)
+        package = folder / STEP_PACKAGE
+        if compile_cpu_engine(network, limits, kv_cache, package, not external, cache, kernels):
+            reused.append("step")
+        return CompiledStep(STEP_PACKAGE, kernels=kernels, constants_external=external, reused=tuple(reused))
 
 
 class TensorRTCompiler:
@@ -51,8 +72,15 @@ class TensorRTCompiler:
     def resolve_dtype(self, dtype: str) -> str:
         return tensorrt_dtype(dtype)
 
-    def compile(self, network: StepNetwork, limits: EngineLimits, kv_cache: torch.Tensor, folder: Path) -> CompiledStep:
-        return compile_tensorrt_engine(network, limits, kv_cache, folder)
+    def compile(
+        self,
+        network: StepNetwork,
+        limits: EngineLimits,
+        kv_cache: torch.Tensor,
+        folder: Path,
+        cache: ArtifactCache | None,
+    ) -> CompiledStep:
+        return compile_tensorrt_engine(network, limits, kv_cache, folder)  # a TensorRT plan holds its weights
 
 
 def _step_package_bytes(network: StepNetwork, constants_external: bool) -> int:

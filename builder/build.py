@@ -17,6 +17,7 @@ from ifb.builder.backends import Backend, compiler_for
 from ifb.builder.build_clock import BuildClock
 from ifb.builder.calibrate import calibrate_engine_folder
 from ifb.builder.compile_process import compile_in_child_process, refuse_in_spawned_bootstrap
+from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
 from ifb.builder.hf_config import model_spec_from_hf_config
@@ -117,8 +118,10 @@ class BuildOptions:
     backend: Backend = option(Backend.CPU, "What compiles and runs the step.")
     cache: bool = option(
         True,
-        "Reuse the step cost model this machine measured for an engine of the same shapes, formats, limits, "
-        "ISA and versions (builder/cost_model_cache.py) instead of timing the engine again; --no-cache times it.",
+        "Reuse what this machine already made for an engine of the same shapes, formats, limits, ISA and "
+        "versions: the step cost model (builder/cost_model_cache.py) instead of timing the engine again, and a "
+        "block engine's compiled kernels and step (builder/artifact_cache.py) instead of compiling them again; "
+        "--no-cache times and compiles anew (and stores the results).",
     )
 
     def __post_init__(self) -> None:  # accept the backend's string value from CLIs and callers
@@ -234,7 +237,7 @@ def build_engine(
         recipe = _convert(metadata, limits, dtype, options, folder / WEIGHTS_FILE)
         phase("compile")
         compiled, compile_peak = compile_in_child_process(
-            options.backend, recipe, folder / WEIGHTS_FILE, limits, kv_dtype, folder
+            options.backend, recipe, folder / WEIGHTS_FILE, limits, kv_dtype, folder, reuse=options.cache
         )
         clock.count_child(compile_peak)
         phase("write")
@@ -256,7 +259,7 @@ def build_engine(
             build_id=uuid.uuid4().hex,
             builder_version=BUILDER_VERSION,
             build_options=_options_record(options, limits, dtype, kv_dtype),
-            build_info=_build_info(clock),
+            build_info=_build_info(clock, compiled),
             tensorrt=compiled.tensorrt,
             kernels=compiled.kernels,
             weight_formats=dict(recipe.weight_formats),
@@ -269,7 +272,7 @@ def build_engine(
 
         def measured_build_info() -> dict[str, Any]:
             clock.stop()
-            return _build_info(clock)
+            return _build_info(clock, compiled)
 
         # records the calibration's time and peak too
         calibrate_engine_folder(folder, measured_build_info, reuse=options.cache)
@@ -310,8 +313,10 @@ def _options_record(options: BuildOptions, limits: EngineLimits, dtype: str, kv_
     )
 
 
-def _build_info(clock: BuildClock) -> dict[str, Any]:
+def _build_info(clock: BuildClock, compiled: CompiledStep) -> dict[str, Any]:
     return {
+        # what the compile phase copied from this machine's compile cache (builder/artifact_cache.py)
+        "compile_cache_reused": list(compiled.reused),
         "seconds": round(time.perf_counter() - clock.started, 2),
         "stage_seconds": dict(clock.seconds),
         "stage_peak_rss_mb": {name: round(value / 2**20) for name, value in clock.peak_bytes.items()},

@@ -7,6 +7,7 @@ without recompiling.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 import tempfile
@@ -14,9 +15,18 @@ from pathlib import Path
 
 import torch
 
+from ifb.builder.artifact_cache import ArtifactCache, ArtifactKey
 from ifb.builder.step_export import dynamic_shapes, sample_args
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import build_quant_library
+from ifb.plugins.quant_build import (
+    QuantIsa,
+    best_isa,
+    build_quant_library,
+    cpu_features,
+    isa_features,
+    library_fingerprint,
+    library_name,
+)
 from ifb.runtime.engine_format import EngineLimits, KernelLibraryInfo
 from ifb.runtime.step.kernels import ensure_quant_library
 from ifb.runtime.step.network import StepNetwork
@@ -31,17 +41,24 @@ INDUCTOR_CONFIGS: dict[str, object] = {"freezing": True}
 KERNELS_DIR = "kernels"
 
 
-def build_engine_kernels(folder: Path) -> KernelLibraryInfo:
-    """Compile the block-quantized matmul library into `folder`/kernels and load it here (it must be
-    loaded before export, and the compiled model library links its C shim)."""
-    with tempfile.TemporaryDirectory(prefix="ifb-quant-") as scratch:
-        library = build_quant_library(Path(scratch))  # object files stay out of the engine folder
-        (folder / KERNELS_DIR).mkdir()
-        target = folder / KERNELS_DIR / library.path.name
-        shutil.copyfile(library.path, target)
-    ensure_quant_library(target, library.isa.value, library.required_features)
-    logger.info("built %s (%s)", target.name, library.isa.value)
-    return KernelLibraryInfo(f"{KERNELS_DIR}/{target.name}", library.isa.value, library.required_features)
+def build_engine_kernels(folder: Path, cache: ArtifactCache | None) -> tuple[KernelLibraryInfo, bool]:
+    """Compile the block-quantized matmul library into `folder`/kernels (or copy the one `cache`
+    holds for the same sources, flags, compiler and ISA) and load it here: it must be loaded before
+    export, and the compiled model library links its C shim. Also says whether it was reused."""
+    isa = best_isa(cpu_features())
+    (folder / KERNELS_DIR).mkdir()
+    target = folder / KERNELS_DIR / library_name(isa)
+    key = ArtifactKey.of("kernels", library_fingerprint(isa))
+    reused = cache is not None and cache.fetch(key, target)
+    if not reused:
+        with tempfile.TemporaryDirectory(prefix="ifb-quant-") as scratch:
+            library = build_quant_library(Path(scratch), isa)  # object files stay out of the engine folder
+            shutil.copyfile(library.path, target)
+        if cache is not None:
+            cache.store(key, target)
+    ensure_quant_library(target, isa.value, isa_features(isa))
+    logger.info("%s %s (%s)", "reused" if reused else "built", target.name, isa.value)
+    return KernelLibraryInfo(f"{KERNELS_DIR}/{target.name}", isa.value, isa_features(isa)), reused
 
 
 def compile_cpu_engine(
@@ -50,26 +67,63 @@ def compile_cpu_engine(
     kv_cache: torch.Tensor,
     package_path: Path,
     constants_in_package: bool = True,
-) -> Path:
+    cache: ArtifactCache | None = None,
+    kernels: KernelLibraryInfo | None = None,
+) -> bool:
     """Export and AOT-compile `network` into a .pt2 package at `package_path` (any packed weight's
     op must be loaded already: see `build_engine_kernels`). Without `constants_in_package` the
     library holds no weights: the runtime binds them by name (AotiStep), and compiling does not
-    serialize a second copy of them (for a 1B model that copy alone is the size of the file)."""
+    serialize a second copy of them (for a 1B model that copy alone is the size of the file).
+    Such a package depends on the exported graph only, so `cache` may hold it already (from a
+    build of another file of the same shapes): returns whether it was reused."""
     network.eval()
     sample = sample_args(limits, kv_cache)
+    configs = {
+        **INDUCTOR_CONFIGS,
+        **(quant_ops.aoti_configs() if network.weight_formats else {}),
+        "aot_inductor.package_constants_in_so": constants_in_package,
+        # Freezing makes new constants (prepacked dense weights, `_frozen_param*`) that no
+        # weights file holds; weights bound at load must stay the network's own tensors.
+        "freezing": constants_in_package,
+    }
     with torch.no_grad():
         exported = torch.export.export(network, sample, dynamic_shapes=dynamic_shapes(limits, 2 * kv_cache.shape[0]))
         logger.info("exported step graph with %d nodes", len(exported.graph.nodes))
-        path = torch._inductor.aoti_compile_and_package(
-            exported,
-            package_path=str(package_path),
-            inductor_configs={
-                **INDUCTOR_CONFIGS,
-                **(quant_ops.aoti_configs() if network.weight_formats else {}),
-                "aot_inductor.package_constants_in_so": constants_in_package,
-                # Freezing makes new constants (prepacked dense weights, `_frozen_param*`) that no
-                # weights file holds; weights bound at load must stay the network's own tensors.
-                "freezing": constants_in_package,
-            },
-        )
-    return Path(path)
+        # a package holding the weights depends on their values: only weightless ones are kept
+        key = None if constants_in_package or cache is None else step_key(exported, configs, kernels)
+        if key is not None and cache is not None and cache.fetch(key, package_path):
+            logger.info("reused the compiled step for this graph from %s", cache.root)
+            return True
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(package_path), inductor_configs=configs)
+    if key is not None and cache is not None:
+        cache.store(key, package_path)
+    return False
+
+
+def step_key(
+    exported: torch.export.ExportedProgram, configs: dict[str, object], kernels: KernelLibraryInfo | None
+) -> ArtifactKey:
+    """What a weightless step package's bytes depend on: the exported graph with every node's
+    shape, dtype and stride, its signature (the constants' names, which the runtime binds by) and
+    shape ranges, the values of tensors the graph itself holds (lifted constants), the compile
+    configs, torch, and the CPU Inductor generated vector code for."""
+    graph = exported.graph_module.print_readable(print_output=False, include_stride=True, include_device=True)
+    lifted = {
+        name: hashlib.sha256(value.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+        if isinstance(value, torch.Tensor)
+        else repr(value)
+        for name, value in sorted(exported.constants.items())
+    }
+    record = {
+        "graph": graph,
+        "signature": str(exported.graph_signature),
+        "ranges": sorted(str(item) for item in exported.range_constraints.items()),
+        "lifted_constants": lifted,
+        "configs": {name: repr(value) for name, value in sorted(configs.items())},
+        # the model library links the kernel library's C shims, declared by quant_ops' op schemas
+        "kernels": None if kernels is None else library_fingerprint(QuantIsa(kernels.isa)),
+        "op_schemas": hashlib.sha256(Path(quant_ops.__file__).read_bytes()).hexdigest(),
+        "cpu_flags": sorted(cpu_features()),
+        "torch": torch.__version__,
+    }
+    return ArtifactKey.of("step", record)

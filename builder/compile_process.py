@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ifb.builder.artifact_cache import ArtifactCache
 from ifb.builder.backends import compiler_for
 from ifb.builder.build_clock import peak_rss_bytes
 from ifb.builder.compiled_step import CompiledStep
@@ -32,9 +33,16 @@ from ifb.runtime.step.kv_pool import zeroed_pool
 
 
 def compile_in_child_process(
-    backend: BackendKind, recipe: NetworkRecipe, weights_path: Path, limits: EngineLimits, kv_dtype: str, folder: Path
+    backend: BackendKind,
+    recipe: NetworkRecipe,
+    weights_path: Path,
+    limits: EngineLimits,
+    kv_dtype: str,
+    folder: Path,
+    reuse: bool = True,
 ) -> tuple[CompiledStep, int]:
-    """The compiled step, and the compile process's peak resident bytes."""
+    """The compiled step, and the compile process's peak resident bytes. `reuse`: copy compiled
+    code this machine's cache holds for the same graph (builder/artifact_cache.py)."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         max_workers=1,
@@ -43,7 +51,7 @@ def compile_in_child_process(
         initargs=(os.getpid(), logging.getLogger().getEffectiveLevel(), torch.get_num_threads()),
     ) as pool:
         try:
-            return pool.submit(_compile, backend, recipe, weights_path, limits, kv_dtype, folder).result()
+            return pool.submit(_compile, backend, recipe, weights_path, limits, kv_dtype, folder, reuse).result()
         except BrokenProcessPool as error:
             raise BuildError(
                 "the step compile process ended before compiling (killed, out of memory, or a script that "
@@ -59,13 +67,20 @@ def _start_child(parent_pid: int, log_level: int, threads: int) -> None:
 
 
 def _compile(
-    backend: BackendKind, recipe: NetworkRecipe, weights_path: Path, limits: EngineLimits, kv_dtype: str, folder: Path
+    backend: BackendKind,
+    recipe: NetworkRecipe,
+    weights_path: Path,
+    limits: EngineLimits,
+    kv_dtype: str,
+    folder: Path,
+    reuse: bool,
 ) -> tuple[CompiledStep, int]:
     network = recipe.load(weights_path)
     # The export's sample pools carry the pool dtype into the compiled step's input signature;
     # export never writes them, so they take no resident memory (kv_pool.py).
     kv_cache = zeroed_pool(kv_pool_shape(recipe.spec, limits), getattr(torch, kv_dtype))
-    return compiler_for(backend).compile(network, limits, kv_cache, folder), peak_rss_bytes()
+    compiled = compiler_for(backend).compile(network, limits, kv_cache, folder, ArtifactCache(reuse=reuse))
+    return compiled, peak_rss_bytes()
 
 
 def refuse_in_spawned_bootstrap() -> None:

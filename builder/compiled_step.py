@@ -13,3 +13,4 @@ class CompiledStep:
     tensorrt: TensorRTPlanInfo | None = None
     kernels: KernelLibraryInfo | None = None
     constants_external: bool = False  # the package holds no weights (EngineConfig.step_constants_external)
+    reused: tuple[str, ...] = ()  # the artifacts copied from the compile cache ("kernels", "step")

@@ -56,6 +56,7 @@ from tiny_models import TINY_LIMITS
 from transformers import AutoConfig
 
 from ifb.builder import build as builder_build
+from ifb.builder.artifact_cache import ArtifactCache
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.compile_cpu import build_engine_kernels
 from ifb.builder.compiled_step import CompiledStep
@@ -243,10 +244,12 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _uncompiled_step(backend: Any, recipe: Any, weights_path: Path, limits: Any, kv_dtype: str, folder: Path) -> Any:
+def _uncompiled_step(
+    backend: Any, recipe: Any, weights_path: Path, limits: Any, kv_dtype: str, folder: Path, reuse: bool = True
+) -> Any:
     """The compile phase without the AOT compile: the kernel library a block engine's eager step
     needs, and no step package (the engine runs StepMode.EAGER)."""
-    kernels = build_engine_kernels(folder) if recipe.weight_formats else None
+    kernels = build_engine_kernels(folder, ArtifactCache(reuse=reuse))[0] if recipe.weight_formats else None
     return CompiledStep("step.pt2", kernels=kernels, constants_external=bool(recipe.weight_formats)), 0
 
 
