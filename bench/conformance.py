@@ -141,6 +141,15 @@ def eog_ids(path: Path) -> list[int]:
     return sorted(ids)
 
 
+def byte_token_ids(path: Path) -> list[int]:
+    """The file's byte-fallback tokens (token type BYTE): the pieces that can leave a text
+    incomplete UTF-8."""
+    from gguf import GGUFReader
+
+    types = GGUFReader(path).fields["tokenizer.ggml.token_type"].contents()
+    return [i for i, kind in enumerate(types) if kind == 6]  # llama.cpp's LLAMA_TOKEN_TYPE_BYTE
+
+
 # ---------------------------------------------------------------------------------------------
 # the three runners: each returns, per prompt, (first-position logprobs over the vocab or a
 # {id: logprob} map, greedy tokens)
@@ -219,7 +228,8 @@ def run_ifb(engine: Engine, prompts: list[list[int]], new_tokens: int, banned: l
     return out
 
 
-def run_llama(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int, log: Path) -> Run:
+def run_llama(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int, log: Path) -> tuple[Run, int]:
+    """llama-server's runs, and for how many prompts the first token was a partial UTF-8 byte."""
     port = free_port()
     cmd = [
         str(LLAMA_DIR / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
@@ -229,11 +239,13 @@ def run_llama(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: in
         "--no-repack",
     ]  # fmt: skip
     server = Server("llama-server", cmd, log, f"http://127.0.0.1:{port}", "content")
+    byte_ids = byte_token_ids(gguf)
+    partial_first = 0
     out: Run = []
     server.start(300)
     try:
         for prompt in prompts:
-            body = {
+            body: dict[str, Any] = {
                 "prompt": prompt,
                 "n_predict": new_tokens,
                 "temperature": 0.0,
@@ -250,12 +262,23 @@ def run_llama(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: in
             tokens = [int(t) for t in data["tokens"]]
             probs = data["completion_probabilities"][0]
             if int(probs["id"]) != tokens[0]:
-                raise SystemExit(f"llama-server: first probabilities entry is {probs['id']}, first token {tokens[0]}")
+                # a token whose text ends in an incomplete UTF-8 character gets no probabilities
+                # entry (server-context.cpp process_token), so entry 0 is a later position's. Ask
+                # again for one token with the byte tokens banned: the ban is a sampler's logit
+                # bias, and the logprobs reported are the raw logits' (pre-sampling), unchanged.
+                partial_first += 1
+                bytes_banned = {**body, "n_predict": 1, "logit_bias": [[t, False] for t in byte_ids]}
+                again = httpx.post(server.url + "/completion", json=bytes_banned, timeout=300)
+                again.raise_for_status()
+                retry = again.json()
+                probs = retry["completion_probabilities"][0]
+                if int(probs["id"]) != int(retry["tokens"][0]) or int(probs["id"]) in byte_ids:
+                    raise SystemExit(f"llama-server: no first-position logprobs for prompt {prompt[:8]}...")
             first = {int(p["id"]): float(p["logprob"]) for p in probs["top_logprobs"]}
             out.append((first, tokens))
     finally:
         server.stop()
-    return out
+    return out, partial_first
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,8 +363,10 @@ def run_case(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             runs[key] = run_ifb(engine, prompts, args.new_tokens, banned)
             entry["engines"][key] = score(runs[key], reference, args.new_tokens)
             del engine
-        llama = run_llama(gguf, prompts, args.new_tokens, args.threads, WORK / name / f"llama-server-{file}.log")
+        log = WORK / name / f"llama-server-{file}.log"
+        llama, partial_first = run_llama(gguf, prompts, args.new_tokens, args.threads, log)
         entry["engines"] = {"llama.cpp": score(llama, reference, args.new_tokens), **entry["engines"]}
+        entry["engines"]["llama.cpp"]["first_token_partial_utf8"] = partial_first
         for key, ours in runs.items():  # the second opinion read directly: ifb's tokens vs llama.cpp's
             entry["engines"][key]["agreed_prefix_vs_llama"] = [
                 common_prefix(a, b) for (_, a), (_, b) in zip(ours, llama, strict=True)
