@@ -444,6 +444,7 @@ def cpu_name() -> str:
 
 
 def main() -> None:
+    global WORK  # noqa: PLW0603  (one run, one folder: every helper above writes under it)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--lengths", default="11,24,37,50", help="prompt lengths in tokens (<= 64)")
@@ -458,7 +459,9 @@ def main() -> None:
     parser.add_argument("--skip-build", action="store_true", help="use the cached llama.cpp binaries, never build")
     parser.add_argument("--jobs", type=int, default=2, help="llama.cpp build parallelism")
     parser.add_argument("--output", type=Path, default=OUT / "conformance.json")
+    parser.add_argument("--work", type=Path, default=WORK, help="files, engines and the quant library's build")
     args = parser.parse_args()
+    WORK = args.work
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.files = args.files.split(",")
     if set(args.files) - set(FILES):
