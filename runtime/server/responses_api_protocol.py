@@ -123,7 +123,7 @@ class ResponsesRequest(_Strict):
         }
         for field, message in refusals.items():
             value = getattr(self, field)
-            if value not in (None, False, 0):
+            if value is not None and value is not False and not (field == "top_logprobs" and value == 0):
                 raise AdmissionError(message, field=field)
 
     def chat_request(self, earlier: list[dict[str, Any]]) -> ChatCompletionRequest:
