@@ -38,9 +38,10 @@ class CheckpointTensors:
             self._where.update(dict.fromkeys(handle.keys(), file.name))  # type: ignore[attr-defined]
         self.linears = self._linear_parts()
         self.dense = self._dense_parts()
-        missing = sorted(
-            {n for names in (*self.linears.values(), *self.dense.values()) for n in names} - set(self._where)
-        )
+        self._expert_names = self._expert_parts()
+        self.experts = {module: sum(per_expert, ()) for module, per_expert in self._expert_names.items()}
+        every = (*self.linears.values(), *self.dense.values(), *self.experts.values())
+        missing = sorted({n for names in every for n in names} - set(self._where))
         if missing:
             raise SourceError(f"{folder} lacks tensors the {spec.architecture} network needs: {', '.join(missing[:8])}")
 
@@ -70,6 +71,24 @@ class CheckpointTensors:
                 names = HF_LAYER_LINEARS[module]
                 parts[f"layers.{i}.{module}.bias"] = tuple(f"model.layers.{i}.{name}.bias" for name in names)
         return parts
+
+    def _expert_parts(self) -> dict[str, list[tuple[str, ...]]]:
+        """A mixture of experts' stacked weights -> per expert, the tensors whose rows it concatenates."""
+        parts: dict[str, list[tuple[str, ...]]] = {}
+        layer_experts = family_of(self.spec.architecture).hf_layer_experts if self.spec.is_moe else {}
+        for i in range(self.spec.num_layers):
+            for module, names in layer_experts.items():
+                parts[f"layers.{i}.{module}"] = [
+                    tuple(f"model.layers.{i}.{name.format(e=e)}.weight" for name in names)
+                    for e in range(self.spec.num_experts)
+                ]
+        return parts
+
+    def expert_fp32(self, module: str, expert: int) -> torch.Tensor:
+        return self.fused_fp32(self._expert_names[module][expert])
+
+    def expert_block_rows(self, module: str, expert: int) -> list[torch.Tensor]:
+        raise ValueError(f"{module}: a checkpoint folder holds no GGUF blocks")
 
     def _slice(self, name: str) -> object:
         return self._files[self._where[name]].get_slice(name)  # type: ignore[attr-defined]

@@ -59,6 +59,17 @@ def linear_parts(spec: ModelSpec, family: Family, tensor_names: set[str]) -> dic
     return parts
 
 
+def expert_parts(spec: ModelSpec, family: Family) -> dict[str, tuple[str, ...]]:
+    """A mixture of experts' stacked weights -> the GGUF tensors ([experts, rows, cols] each) whose
+    rows it concatenates per expert."""
+    layer_experts = family.gguf_layer_experts if spec.is_moe else {}
+    return {
+        f"layers.{i}.{module}": tuple(f"blk.{i}.{name}.weight" for name in names)
+        for i in range(spec.num_layers)
+        for module, names in layer_experts.items()
+    }
+
+
 def biased_modules(spec: ModelSpec) -> tuple[str, ...]:
     """The layer's linear modules that carry a bias (q/k/v's is one fused bias, gate/up's too)."""
     biased = {
@@ -123,7 +134,10 @@ class GgufTensors:
         self.norm_shift = family.gguf_norm_offset
         self.linears = linear_parts(spec, family, set(self._tensors))
         self.dense = dense_parts(spec, family)
-        needed = {name for names in (*self.linears.values(), *self.dense.values()) for name in names}
+        self.experts = expert_parts(spec, family)
+        needed = {
+            name for names in (*self.linears.values(), *self.dense.values(), *self.experts.values()) for name in names
+        }
         missing = sorted(needed - set(self._tensors))
         if missing:
             raise SourceError(f"{path} lacks tensors the {spec.architecture} network needs: {', '.join(missing[:8])}")
@@ -164,6 +178,29 @@ class GgufTensors:
         if self.norm_shift and name.endswith("norm.weight"):
             out = out - self.norm_shift
         return self._unpermuted(name, out)
+
+    def expert_block_rows(self, module: str, expert: int) -> list[torch.Tensor]:
+        """One expert's rows of blocks (uint8 [rows, row bytes]) of each stacked tensor of `module`."""
+        parts = []
+        for name in self.experts[module]:
+            tensor = self._tensors[name]
+            if GGUF_TYPE_NAMES.get(tensor.tensor_type.name) is None:
+                raise ValueError(f"{name} is {tensor.tensor_type.name}, not a block format our kernels read")
+            parts.append(torch.from_numpy(np.array(np.asarray(tensor.data)[expert], dtype=np.uint8, copy=True)))
+        return parts
+
+    def expert_fp32(self, module: str, expert: int) -> torch.Tensor:
+        """One expert's weight [n, k] of `module`: its stacked tensors' slices, dequantized, rows concatenated."""
+        import gguf
+
+        parts = []
+        for name in self.experts[module]:
+            tensor = self._tensors[name]
+            values = np.asarray(tensor.data)[expert]
+            if tensor.tensor_type.name not in ("F32", "F16", "F64"):
+                values = gguf.quants.dequantize(values, tensor.tensor_type)
+            parts.append(torch.from_numpy(np.array(values, dtype=np.float32, copy=True)))
+        return torch.cat(parts, dim=0)
 
     def _release(self, tensor: Any) -> None:
         """Drop the tensor's pages from this process once copied: read through the mapping, a whole

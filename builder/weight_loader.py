@@ -40,8 +40,13 @@ class TensorSource(Protocol):
     spec: ModelSpec
     linears: dict[str, tuple[str, ...]]  # our linear module -> source tensors fused in row order
     dense: dict[str, tuple[str, ...]]  # our norm/bias/embedding tensor -> source tensors
+    experts: dict[str, tuple[str, ...]]  # our stacked expert weight -> every source tensor it reads
 
     def info(self, name: str) -> TensorInfo: ...
+
+    def expert_fp32(self, module: str, expert: int) -> torch.Tensor: ...
+
+    def expert_block_rows(self, module: str, expert: int) -> list[torch.Tensor]: ...
 
     def block_rows(self, name: str) -> torch.Tensor: ...
 
@@ -61,13 +66,14 @@ class WeightPlan:
 
     @property
     def has_blocks(self) -> bool:
-        return bool(self.formats)
+        # a mixture of experts records its dense ("fp32") experts too: they bring the kernel library
+        return any(fmt.is_block for fmt in self.formats.values())
 
 
 def plan_weights(source: TensorSource, weights: str) -> WeightPlan:
     """The plan for `--weights` (auto, fp32, q8_0|q4_1|q4_0), from headers only."""
     if weights == "fp32":
-        return WeightPlan({}, _non_dense(source, lambda info: True), None)
+        return WeightPlan(dict.fromkeys(source.experts, WeightFormat.FP32), _non_dense(source, lambda info: True), None)
     if weights != "auto":
         return _quantize_plan(source, WeightFormat(weights))
     formats: dict[str, WeightFormat] = {}
@@ -81,8 +87,15 @@ def plan_weights(source: TensorSource, weights: str) -> WeightPlan:
     embed = source.info(source.dense["embed.weight"][0]).block_format
     if embed is not None:
         formats[EMBED_KEY] = embed
+    for module, names in source.experts.items():  # kept where every part is one format a kernel reads
+        expert_kinds = {source.info(name).block_format for name in names}
+        only = expert_kinds.pop() if len(expert_kinds) == 1 else None
+        formats[module] = only if only is not None else WeightFormat.FP32
     sixteen_bit = tuple(info for info in _source_infos(source) if info.type_name in ("F16", "BF16"))
-    return WeightPlan(formats, _non_dense(source, lambda info: info.block_format is None), None, sixteen_bit)
+    # an expert tensor of a kernel's format is stored dense where its stacked weight mixes formats
+    unkept = {name for module, names in source.experts.items() if not formats[module].is_block for name in names}
+    dequantized = _non_dense(source, lambda info: info.block_format is None or info.name in unkept)
+    return WeightPlan(formats, dequantized, None, sixteen_bit)
 
 
 def _quantize_plan(source: TensorSource, fmt: WeightFormat) -> WeightPlan:
@@ -94,6 +107,11 @@ def _quantize_plan(source: TensorSource, fmt: WeightFormat) -> WeightPlan:
             unaligned.append(f"{module} (K={cols})")
         else:
             formats[module] = fmt
+    for module, names in source.experts.items():
+        cols = source.info(names[0]).cols
+        formats[module] = WeightFormat.FP32 if cols % block_weights(fmt) else fmt
+        if cols % block_weights(fmt):
+            unaligned.append(f"{module} (K={cols})")
     if unaligned:
         logger.warning(
             "%d weight(s) stay fp32: K is not a multiple of %d: %s", len(unaligned), BLOCK_SIZE, ", ".join(unaligned)
@@ -110,7 +128,8 @@ def _non_dense(source: TensorSource, keep: Callable[[TensorInfo], bool]) -> tupl
 
 def _source_infos(source: TensorSource) -> list[TensorInfo]:
     """Every distinct source tensor the network takes, in the order its modules name them."""
-    names = dict.fromkeys(name for names in (*source.linears.values(), *source.dense.values()) for name in names)
+    every = (*source.linears.values(), *source.dense.values(), *source.experts.values())
+    names = dict.fromkeys(name for names in every for name in names)
     return [source.info(name) for name in names]
 
 
@@ -160,6 +179,8 @@ def network_state(source: TensorSource, plan: WeightPlan, compute: WeightCompute
         if module == "lm_head" and spec.tie_word_embeddings and fmt is WeightFormat.FP32:
             continue  # the network ties a dense head to the embedding table
         yield from _stored_linear(source, module, fmt, names, packer, plan)
+    for module in source.experts:
+        yield module, _stored_experts(source, module, plan.formats[module], packer, plan)
     for name, parts in source.dense.items():
         if name == "embed.weight" and EMBED_KEY in plan.formats:
             yield from _stored_embedding(source, plan, parts[0])
@@ -186,6 +207,26 @@ def _stored_linear(
     n = sum(source.info(name).rows for name in names)
     k = source.info(names[0]).cols
     yield f"{module}.packed", packer(rows, fmt, n, k)
+
+
+def _stored_experts(
+    source: TensorSource, module: str, fmt: WeightFormat, packer: Packer, plan: WeightPlan
+) -> torch.Tensor:
+    """A stacked expert weight: fp32 [E, n, k], or every expert packed as one linear [E, tiles, bytes]."""
+    experts = []
+    for expert in range(source.spec.num_experts):
+        if fmt is WeightFormat.FP32:
+            experts.append(source.expert_fp32(module, expert))
+            continue
+        rows: torch.Tensor | list[torch.Tensor]
+        if plan.quantized_from is not None:
+            weight = source.expert_fp32(module, expert)
+            rows, (n, k) = quantize(weight, fmt), weight.shape
+        else:
+            rows = source.expert_block_rows(module, expert)
+            n, k = sum(part.shape[0] for part in rows), source.info(source.experts[module][0]).cols
+        experts.append(packer(rows, fmt, n, k))
+    return torch.stack(experts)
 
 
 def _stored_embedding(source: TensorSource, plan: WeightPlan, name: str) -> Iterator[tuple[str, torch.Tensor]]:

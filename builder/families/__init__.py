@@ -16,13 +16,14 @@ from ifb.builder.families.mistral import Mistral
 from ifb.builder.families.phi3 import Phi3
 from ifb.builder.families.qwen2 import Qwen2
 from ifb.builder.families.qwen3 import Qwen3
+from ifb.builder.families.qwen3moe import Qwen3Moe
 from ifb.builder.families.smollm3 import SmolLM3
 
 __all__ = ["FAMILIES", "Family", "VocabularyStyle", "WindowRule", "family_of", "gguf_family"]
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
-    for family in (Llama(), Mistral(), Qwen2(), Qwen3(), SmolLM3(), Phi3(), Gemma2(), Gemma3())
+    for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Qwen3Moe(), SmolLM3(), Phi3(), Gemma2(), Gemma3())
 }
 _BY_GGUF_ARCHITECTURE: dict[str, Family] = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
 

@@ -93,6 +93,10 @@ class Family:
     gguf_layer_linears: ClassVar[dict[str, tuple[str, ...]]] = GGUF_LAYER_LINEARS
     hf_layer_norms: ClassVar[dict[str, str]] = HF_LAYER_NORMS
     gguf_layer_norms: ClassVar[dict[str, str]] = GGUF_LAYER_NORMS
+    # A mixture of experts: our stacked expert weight (per layer) -> the tensors whose rows it
+    # concatenates per expert: HF names with `{e}` for the expert, GGUF names of stacked tensors
+    hf_layer_experts: ClassVar[dict[str, tuple[str, ...]]] = {}
+    gguf_layer_experts: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     # ----------------------------------------------------------------- HF config -> ModelSpec
     def model_spec(self, config: Any) -> ModelSpec:

@@ -61,6 +61,17 @@ class ModelSpec:
     # `attention_bias: true`) and the MLP's gate/up/down (Llama, SmolLM3 with `mlp_bias: true`)
     attention_out_bias: bool = False
     mlp_bias: bool = False
+    # Mixtures of experts (Qwen3-MoE): every layer's MLP is num_experts SwiGLU experts of
+    # moe_intermediate_size; a router (softmax over the experts) picks num_experts_per_tok per
+    # token, their probabilities renormalized to sum 1 where norm_topk_prob. 0 experts: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def layer_window(self, index: int) -> int | None:
         """The attention window of layer `index` (None: every earlier key)."""

@@ -21,6 +21,7 @@ from ifb.plugins.attention_reference import paged_attention_reference, write_kv_
 from ifb.plugins.layout import AttentionLayout
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
 from ifb.runtime.engine_format import Activation, ModelSpec
+from ifb.runtime.step.moe_block import MoeBlock, expert_shapes
 from ifb.runtime.step.quant_embedding import QuantEmbedding
 from ifb.runtime.step.quant_linear import QuantLinear
 from ifb.runtime.step.segmented_linear import SegmentedLinear, part_formats, segments
@@ -46,10 +47,19 @@ def linear_part_rows(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_layers):
         rows[f"layers.{i}.attn.qkv"] = (q_dim, kv_dim, kv_dim)
         rows[f"layers.{i}.attn.o_proj"] = (spec.hidden_size,)
+        if spec.is_moe:  # a mixture of experts: expert_part_shapes, and a dense router
+            continue
         rows[f"layers.{i}.mlp.gate_up"] = (spec.intermediate_size, spec.intermediate_size)
         rows[f"layers.{i}.mlp.down"] = (spec.hidden_size,)
     rows["lm_head"] = (spec.vocab_size,)
     return rows
+
+
+def expert_part_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """Every stacked expert weight of the network (a mixture of experts) -> one expert's [n, k]."""
+    return {
+        f"layers.{i}.mlp.{name}": shape for i in range(spec.num_layers) for name, shape in expert_shapes(spec).items()
+    }
 
 
 # The head sizes the decode kernel is written for (16-lane vectors); others keep the torch path.
@@ -193,7 +203,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = _norm_or_identity(spec, spec.hidden_size, True)
         self.attn = Attention(spec, block_size, ops, index)
         self.post_norm = _norm_or_identity(spec, spec.hidden_size, True)  # before the MLP
-        self.mlp = MLP(spec)
+        self.mlp: nn.Module = MoeBlock(spec) if spec.is_moe else MLP(spec)
         # Gemma 3's sandwich: the attention's and the MLP's outputs normed before each residual add
         self.attn_out_norm = _norm_or_identity(spec, spec.hidden_size, spec.sandwich_norms)
         self.mlp_out_norm = _norm_or_identity(spec, spec.hidden_size, spec.sandwich_norms)
@@ -246,6 +256,11 @@ class StepNetwork(nn.Module):
             self.lm_head.weight = self.embed.weight
         for name, rows in linear_part_rows(spec).items():
             self._store_linear(name, rows)
+        for name in expert_part_shapes(spec):  # every one recorded, "fp32" too: the op is the library's
+            moe_name, _, attr = name.rpartition(".")
+            moe = self.get_submodule(moe_name)
+            assert isinstance(moe, MoeBlock)
+            moe.store_as(attr, self.weight_formats.get(name, WeightFormat.FP32), self.weight_compute)
         if EMBED_KEY in self.weight_formats:
             self._store_embedding(self.weight_formats[EMBED_KEY])
         self.rope_cos: torch.Tensor

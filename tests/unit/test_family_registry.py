@@ -27,8 +27,18 @@ NOT_FAMILY_BRANCHES = {
 }
 
 
-def test_the_eight_families_are_registered_under_their_model_type() -> None:
-    assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3_text"}
+def test_the_nine_families_are_registered_under_their_model_type() -> None:
+    assert set(FAMILIES) == {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "smollm3",
+        "phi3",
+        "gemma2",
+        "gemma3_text",
+    }
     for model_type, family in FAMILIES.items():
         assert family.model_type == model_type
         assert family_of(model_type) is family
@@ -37,7 +47,7 @@ def test_the_eight_families_are_registered_under_their_model_type() -> None:
     assert gguf_family("llama") is FAMILIES["llama"]  # Mistral is written as Llama: no GGUF name of its own
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss", "mamba"])
+@pytest.mark.parametrize("name", ["olmoe", "gpt-oss", "mamba"])
 def test_an_unknown_gguf_architecture_is_refused_by_name(name: str) -> None:
     with pytest.raises(UnsupportedModelError, match=f"GGUF architecture '{name}' is not supported; supported: "):
         gguf_family(name)
@@ -52,14 +62,14 @@ def test_a_gguf_of_an_unknown_architecture_is_refused_before_transformers_reads_
     """transformers' own message for such a file is a ValueError about its GGUF support; ours names
     the architecture and what is supported."""
     path = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer = gguf.GGUFWriter(str(path), "olmoe")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'qwen3moe' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'olmoe' is not supported"):
         gguf_config(path)
 
 

@@ -1,0 +1,72 @@
+"""MoeBlock: a mixture-of-experts MLP (Qwen3-MoE's): router softmax -> top-k -> one grouped op.
+
+The router is a dense linear over the experts; its softmax is taken in fp32, the top
+`num_experts_per_tok` kept and, where `norm_topk_prob`, renormalized to sum 1, then rounded to the
+model dtype (as transformers' Qwen3MoeTopKRouter). The experts run as `ifb_quant::grouped_experts`
+(plugins/grouped_experts.py): one op in the exported graph whatever the routing, static shapes,
+each selected expert's weights read once for all its rows and each row's result independent of
+the others. The stacked weights are dense fp32 [E, n, k] or, once `store_blocks` says so, block
+tiles [E, *packed_shape] (every expert packed as QuantLinear packs one weight).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ifb.plugins.grouped_experts import grouped_experts
+from ifb.plugins.quant_formats import WeightCompute, WeightFormat
+from ifb.runtime.engine_format import ModelSpec
+from ifb.runtime.step.quant_linear import packed_shape
+
+GATE_UP, DOWN = "experts_gate_up", "experts_down"
+
+
+def expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """Each stacked expert weight -> one expert's [n, k] (gate rows then up rows; down)."""
+    return {
+        GATE_UP: (2 * spec.moe_intermediate_size, spec.hidden_size),
+        DOWN: (spec.hidden_size, spec.moe_intermediate_size),
+    }
+
+
+class MoeBlock(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = spec.num_experts, spec.num_experts_per_tok
+        self.intermediate_size, self.norm_topk_prob = spec.moe_intermediate_size, spec.norm_topk_prob
+        self.router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        shapes = expert_shapes(spec)
+        self.experts_gate_up = nn.Parameter(torch.zeros(spec.num_experts, *shapes[GATE_UP]), requires_grad=False)
+        self.experts_down = nn.Parameter(torch.zeros(spec.num_experts, *shapes[DOWN]), requires_grad=False)
+        self.formats = (WeightFormat.FP32, WeightFormat.FP32)
+        self.compute = WeightCompute.FP32
+
+    def store_as(self, name: str, fmt: WeightFormat, compute: WeightCompute) -> None:
+        """Hold the stacked weight `name` as `fmt` (a block format: its tiles packed for `compute`,
+        uint8, a parameter as QuantLinear's so AOTInductor does not clone it; fp32: dense)."""
+        if fmt.is_block:
+            n, k = tuple(getattr(self, name).shape[1:])
+            tiles = torch.zeros(self.num_experts, *packed_shape(fmt, n, k), dtype=torch.uint8)
+            setattr(self, name, nn.Parameter(tiles, requires_grad=False))
+        index = (GATE_UP, DOWN).index(name)
+        self.formats = (fmt, self.formats[1]) if index == 0 else (self.formats[0], fmt)
+        self.compute = compute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        top_weights = top_weights.to(x.dtype).float()  # transformers rounds them to the model dtype
+        # The op multiplies fp32: dense experts of a 16-bit engine are widened here (block ones are bytes)
+        gate_up = self.experts_gate_up if self.formats[0].is_block else self.experts_gate_up.float()
+        down = self.experts_down if self.formats[1].is_block else self.experts_down.float()
+        y = grouped_experts(
+            x.float(), top_ids, top_weights, gate_up, down, self.formats, self.compute, self.intermediate_size
+        )
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        formats = "/".join(fmt.value for fmt in self.formats)
+        return f"experts={self.num_experts}, top_k={self.top_k}, {formats}, compute={self.compute.value}"
