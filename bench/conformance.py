@@ -411,6 +411,37 @@ TABLE_HEAD = (
 )
 
 
+ARITHMETIC_HEAD = (
+    "| case | file | engine | median abs dlogprob vs HF (25th-75th) | prompts farther than the other engine | "
+    "median abs dlogprob vs ifb fp32 on the file (25th-75th) |\n|---|---|---|---|---|---|"
+)
+
+
+def arithmetic_rows(results: dict[str, Any]) -> str:
+    """Quantized files only: each engine's spread, the paired per-prompt count, and its distance
+    from ifb fp32 on the same file (the file's rounding taken out: the engine's own arithmetic)."""
+    lines = []
+    for name, result in results.items():
+        for file, entry in result["files"].items():
+            e = entry["engines"]
+            if file == "f32" or "prompt_median_dlogprob" not in e.get("llama.cpp", {}):
+                continue
+            ours, theirs = e["ifb int8"]["prompt_median_dlogprob"], e["llama.cpp"]["prompt_median_dlogprob"]
+            farther = {
+                "ifb int8": sum(a > b for a, b in zip(ours, theirs, strict=True)),
+                "llama.cpp": sum(b > a for a, b in zip(ours, theirs, strict=True)),
+            }
+            for engine in ("llama.cpp", "ifb int8"):
+                s = e[engine]
+                q, own = s["dlogprob_quartiles"], s["vs_ifb_fp32"]
+                lines.append(
+                    f"| {name} | {file.upper()} | {engine} | {q[1]:.3g} ({q[0]:.2g}-{q[2]:.2g}) | "
+                    f"{farther[engine]}/{len(ours)} | {own['median_dlogprob']:.3g} "
+                    f"({own['quartiles'][0]:.2g}-{own['quartiles'][2]:.2g}) |"
+                )
+    return "\n".join(lines)
+
+
 def verdicts(results: dict[str, Any]) -> list[str]:
     """The issue's expectations, checked: F32 all agree; quantized int8 no farther than llama.cpp."""
     lines = []
@@ -509,6 +540,7 @@ def main() -> None:
         report["cases"][name] = run_case(name, seed, args)
         args.output.write_text(json.dumps(report, indent=1))
     print(f"\n{TABLE_HEAD}\n{table_rows(report['cases'])}\n")
+    print(f"{ARITHMETIC_HEAD}\n{arithmetic_rows(report['cases'])}\n")
     print("\n".join(verdicts(report["cases"])))
     print(f"wrote {args.output}")
 
