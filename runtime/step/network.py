@@ -56,7 +56,10 @@ def linear_part_rows(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def expert_part_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
-    """Every stacked expert weight of the network (a mixture of experts) -> one expert's [n, k]."""
+    """Every stacked expert weight of the network (a mixture of experts; none in a dense one) -> one
+    expert's [n, k]."""
+    if not spec.is_moe:
+        return {}
     return {
         f"layers.{i}.mlp.{name}": shape for i in range(spec.num_layers) for name, shape in expert_shapes(spec).items()
     }
