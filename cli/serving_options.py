@@ -33,7 +33,16 @@ SERVING_OPTION_GROUPS = {
         "default_max_tokens",
         "guided_compile_timeout",
     ),
-    "Scheduling": ("policy", "chunking", "enable_prefix_reuse", "itl_target_ms", "ttft_target_ms", "calibrate"),
+    "Scheduling": (
+        "policy",
+        "chunking",
+        "enable_prefix_reuse",
+        "prefix_cache_dir",
+        "prefix_cache_disk_gb",
+        "itl_target_ms",
+        "ttft_target_ms",
+        "calibrate",
+    ),
     "Speculative decoding": (
         "speculative",
         "num_speculative_tokens",

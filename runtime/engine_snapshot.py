@@ -12,6 +12,19 @@ from ifb.runtime.scheduler_stats import SchedulerCounters
 
 
 @dataclass(frozen=True, slots=True)
+class DiskTierUsage:
+    """The prefix cache's disk tier (prefix_disk_tier.py); zeros without one."""
+
+    hit_tokens: int = 0  # restored from disk
+    miss_tokens: int = 0  # full prompt blocks an admitted request found in neither RAM nor disk
+    bytes_written: int = 0
+    bytes_read: int = 0
+    dropped_spills: int = 0  # evictions not written: the writer's queue was full
+    rejected_files: int = 0  # corrupt, truncated or foreign files, removed
+    num_bytes: int = 0  # the tier's files now
+
+
+@dataclass(frozen=True, slots=True)
 class KvUsage:
     num_blocks: int = 0
     num_free_blocks: int = 0
@@ -19,6 +32,7 @@ class KvUsage:
     num_cached_blocks: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    disk: DiskTierUsage = field(default_factory=DiskTierUsage)
 
     @property
     def usage(self) -> float:

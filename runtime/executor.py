@@ -187,6 +187,7 @@ class Executor:
             raise
         finally:
             self._finish_all(FinishReason.ABORT if self._fatal_error is None else FinishReason.ERROR)
+            self._close_kv()
             self.engine = None  # the pooled thread outlives this loop; let the KV pool go
             self._publish()
 
@@ -389,6 +390,7 @@ class Executor:
                 num_cached_blocks=kv.num_cached_blocks,
                 prefix_cache_queried_tokens=kv.prefix_queried_tokens,
                 prefix_cache_hit_tokens=kv.prefix_hit_tokens,
+                disk=kv.tier.usage(),
             ),
             guided=self._guided,
         )
@@ -429,6 +431,13 @@ class Executor:
         )
         self._last_summary = now
         self._tokens_since_summary = 0
+
+    def _close_kv(self) -> None:
+        """While the pool still lives: its cached blocks go to the prefix cache's disk tier, if any."""
+        try:
+            self.scheduler.kv.close()
+        except Exception:  # shutting down regardless
+            logger.exception("closing the KV cache's tier failed")
 
     def _finish_all(self, reason: FinishReason) -> None:
         error = "server shutting down" if reason is FinishReason.ABORT else f"the step loop died: {self._fatal_error}"

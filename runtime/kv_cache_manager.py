@@ -8,6 +8,9 @@
 A request's block_ids is its block table. Blocks are released tail-first so that the end of a
 prompt is evicted before its shared beginning. A request keeps every block until it finishes;
 with a window on every layer, windowed_kv_cache_manager.py frees those that slid out of it.
+
+A BlockTier (prefix_disk_tier.py) extends the cache: an evicted cached block is spilled to it, and
+a prefix match brings back the chain's blocks it holds as cached blocks before matching.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
+from ifb.runtime.engine_snapshot import DiskTierUsage
 from ifb.runtime.prefix_hash import ROOT_KEY, prefix_block_keys
 from ifb.runtime.request import Request
 
@@ -26,6 +31,49 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
+
+
+class BlockTier(Protocol):
+    """A second home for cached blocks evicted from the pool, keyed by their prefix hash."""
+
+    def contains(self, block_hash: bytes) -> bool: ...
+
+    def spill(self, block_hash: bytes, block_id: int, wait: bool = False) -> None:
+        """Keep a copy of the block, read now (before it is reused); never blocks unless `wait`."""
+
+    def restore(self, block_hash: bytes, block_id: int) -> bool:
+        """Fill the pool block with the stored one; False if it has none (or a bad one)."""
+
+    def count_misses(self, num_blocks: int) -> None: ...
+
+    def usage(self) -> DiskTierUsage: ...
+
+    def close(self) -> None: ...
+
+
+class _NoTier:
+    """No tier: evicted blocks are gone."""
+
+    def contains(self, block_hash: bytes) -> bool:
+        return False
+
+    def spill(self, block_hash: bytes, block_id: int, wait: bool = False) -> None:
+        return None
+
+    def restore(self, block_hash: bytes, block_id: int) -> bool:
+        return False
+
+    def count_misses(self, num_blocks: int) -> None:
+        return None
+
+    def usage(self) -> DiskTierUsage:
+        return DiskTierUsage()
+
+    def close(self) -> None:
+        return None
+
+
+NO_TIER: BlockTier = _NoTier()
 
 
 class KVCacheManager:
@@ -38,6 +86,11 @@ class KVCacheManager:
         self._cached: dict[bytes, int] = {}
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.tier: BlockTier = NO_TIER
+
+    def attach_tier(self, tier: BlockTier) -> None:
+        """Set once the engine's pool exists (on the executor thread, before any step)."""
+        self.tier = tier
 
     # -- the vocabulary the capacity policies use --------------------------------------------
     @property
@@ -81,14 +134,51 @@ class KVCacheManager:
         """Block ids of the longest cached prefix, leaving at least one token to compute."""
         if not self.enable_prefix_reuse:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        self._restore(hashes)
+        return self._longest_cached(hashes)
+
+    def _longest_cached(self, hashes: list[bytes]) -> list[int]:
         hits: list[int] = []
-        for block_hash in self._block_hashes(request, max_blocks):
+        for block_hash in hashes:
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def _restore(self, hashes: list[bytes]) -> None:
+        """Bring back from the tier the chain's blocks the pool lost, as cached blocks nobody
+        references, up to the first one neither holds. A restore takes the free list's head, so
+        the chain's blocks in RAM move to its tail first and are never the ones evicted."""
+        missing = [h for h in hashes if h not in self._cached]
+        if not missing or not self.tier.contains(missing[0]):
+            return
+        self._touch(hashes)
+        room = len(self._free) - sum(1 for h in hashes if self._cached.get(h) in self._free)
+        for block_hash in missing[:room]:
+            if not self._restore_block(block_hash):
+                break
+        self._touch(hashes)
+
+    def _touch(self, hashes: list[bytes]) -> None:
+        """The chain's free cached blocks to the free list's tail, its beginning last (as `free`)."""
+        for block_hash in reversed(hashes):
+            block_id = self._cached.get(block_hash)
+            if block_id is not None and block_id in self._free:
+                self._free.move_to_end(block_id)
+
+    def _restore_block(self, block_hash: bytes) -> bool:
+        block_id = self._pop_free()
+        block = self.blocks[block_id]
+        block.ref_count = 0
+        self._free[block_id] = None
+        if not self.tier.restore(block_hash, block_id):
+            self._free.move_to_end(block_id, last=False)  # empty: the next one handed out
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block_id
+        return True
 
     def num_free_among(self, block_ids: Iterable[int]) -> int:
         """How many of these (prefix-hit) blocks sit in the free list and would leave it."""
@@ -105,6 +195,8 @@ class KVCacheManager:
         request.num_published_blocks = len(prefix_block_ids)
         self.prefix_queried_tokens += request.num_tokens
         self.prefix_hit_tokens += hit_tokens
+        if self.enable_prefix_reuse:
+            self.tier.count_misses((request.num_tokens - 1) // self.block_size - len(prefix_block_ids))
 
     def publish(self, request: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache."""
@@ -161,6 +253,7 @@ class KVCacheManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict: least recently used cached block
+            self.tier.spill(block.block_hash, block_id)
             del self._cached[block.block_hash]
             block.block_hash = None
         block.ref_count = 1
@@ -171,6 +264,16 @@ class KVCacheManager:
         if block.ref_count == 0:
             del self._free[block_id]
         block.ref_count += 1
+
+    def close(self) -> None:
+        """At shutdown: every cached block goes to the tier, least recently used first (so the
+        tier's own LRU keeps the hottest), waiting for the writer; then the tier closes."""
+        order = [*self._free, *(b.block_id for b in self.blocks if b.ref_count > 0)]
+        for block_id in order:
+            block_hash = self.blocks[block_id].block_hash
+            if block_hash is not None:
+                self.tier.spill(block_hash, block_id, wait=True)
+        self.tier.close()
 
     # -- invariants ---------------------------------------------------------------------------
     def check_integrity(self, live_requests: Iterable[Request]) -> None:

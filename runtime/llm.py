@@ -30,6 +30,7 @@ from ifb.runtime.health_report import health_body
 from ifb.runtime.metrics import Metrics
 from ifb.runtime.outputs import CompletionOutput, RequestOutput
 from ifb.runtime.policies import make_capacity_policy, make_chunking_policy
+from ifb.runtime.prefix_disk_tier import make_block_tier
 from ifb.runtime.request_channel import RequestChannel
 from ifb.runtime.runtime_config import RuntimeSettings
 from ifb.runtime.sampling_params import SamplingParams
@@ -97,6 +98,14 @@ class LLM(FrontendClient):
         """On the executor thread, before its loop starts. --calibrate measures this engine (the
         KV it writes is garbage over blocks no request owns yet) instead of loading a second one."""
         engine = Engine(self.engine_config, self.settings.step_mode)
+        self.executor.scheduler.kv.attach_tier(
+            make_block_tier(
+                self.config.prefix_disk_tier,
+                self.engine_config.build_id,
+                engine.kv_cache,
+                self.engine_config.limits.block_size,
+            )
+        )
         self.executor.scheduler.speculation.prepare(self.engine_config)  # a draft engine loads here
         if self.config.calibrate:
             from ifb.runtime.step_budget.calibration import calibrate

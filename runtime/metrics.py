@@ -43,6 +43,24 @@ class _SchedulerCollector(Collector):
                 kv.prefix_cache_queried_tokens,
             ),
             "ifb:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", kv.prefix_cache_hit_tokens),
+            "ifb:prefix_cache_disk_hits": (
+                "Prompt tokens restored from the prefix cache's disk tier.",
+                kv.disk.hit_tokens,
+            ),
+            "ifb:prefix_cache_disk_misses": (
+                "Prompt tokens of full blocks found neither in the prefix cache nor on its disk tier.",
+                kv.disk.miss_tokens,
+            ),
+            "ifb:prefix_cache_disk_written_bytes": ("Bytes the disk tier wrote.", kv.disk.bytes_written),
+            "ifb:prefix_cache_disk_read_bytes": ("Bytes the disk tier read back.", kv.disk.bytes_read),
+            "ifb:prefix_cache_disk_dropped_spills": (
+                "Evicted blocks not written to the disk tier: its writer's queue was full.",
+                kv.disk.dropped_spills,
+            ),
+            "ifb:prefix_cache_disk_rejected_files": (
+                "Disk-tier files refused (corrupt, truncated or another engine's) and removed.",
+                kv.disk.rejected_files,
+            ),
             "ifb:request_rejected": ("Requests refused with 429 (server full or queue timeout).", c.refused),
             "ifb:guided_requests": ("Requests with a guided-decoding constraint.", snapshot.guided.num_requests),
             "ifb:grammar_compile_seconds": ("Time spent compiling constraints.", snapshot.guided.compile_seconds_total),
@@ -59,6 +77,9 @@ class _SchedulerCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "ifb:prefix_cache_disk_bytes", "Bytes of the disk tier's files.", value=kv.disk.num_bytes
+        )
 
 
 class Metrics:

@@ -5,12 +5,14 @@ bound; RuntimeConfig: the runtime settings checked against the engine's baked li
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.guided_pool import COMPILE_TIMEOUT_S
 from ifb.runtime.policies import CapacityPolicyKind, ChunkingPolicyKind
+from ifb.runtime.prefix_disk_tier import BYTES_PER_GB, PrefixDiskTierConfig
 from ifb.runtime.reasoning import ReasoningParserKind
 from ifb.runtime.server.tool_parsers import ToolCallParserKind
 from ifb.runtime.speculation.config import (
@@ -24,6 +26,8 @@ from ifb.runtime.speculation.config import (
 )
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step_budget.budgets import DEFAULT_TARGET_DECODE_MULTIPLE, DEFAULT_TARGET_FLOOR_MS
+
+DEFAULT_PREFIX_CACHE_DISK_GB = 10.0
 
 
 def option(default: Any, help: str | None = None, **cli: Any) -> Any:
@@ -73,6 +77,19 @@ class RuntimeSettings:
         True,
         "Reuse the KV blocks of a shared prompt prefix. Alias: vLLM's --enable-prefix-caching.",
         aliases=("--enable-prefix-caching",),
+    )
+    prefix_cache_dir: str | None = option(
+        None,
+        "Keep prefix-cache blocks evicted from RAM in files under DIR (created if missing), and bring them "
+        "back when a prompt's prefix needs them, also after a restart: a long shared prompt skips its "
+        "prefill. Files are keyed by the prefix hash (cache_salt included) and the engine's build id, "
+        "and checksummed; RAM's cached blocks are written at shutdown too.",
+    )
+    prefix_cache_disk_gb: float | None = option(
+        None,
+        f"GB (10^9 bytes) the --prefix-cache-dir files may take; the least recently used go first. Default: "
+        f"{DEFAULT_PREFIX_CACHE_DISK_GB:g}.",
+        minimum=0,
     )
     # A request without max_tokens generates at most this many tokens (and never past
     # max_seq_len), so guaranteed_no_evict reserves a bounded number of blocks for it instead of
@@ -237,6 +254,7 @@ class RuntimeConfig:
     ttft_target_ms: float | None  # as RuntimeSettings: None = default, 0 = off
     calibrate: bool
     speculation: SpeculativeConfig
+    prefix_disk_tier: PrefixDiskTierConfig | None = None  # --prefix-cache-dir: None = no disk tier
 
 
 def check_minimums(settings: RuntimeSettings) -> None:
@@ -266,6 +284,30 @@ def check_first_token_target(engine: EngineConfig, settings: RuntimeSettings) ->
         f"--ttft-target-ms (ttft_target_ms) {ttft:g} needs an inter-token target: {reason}; "
         "drop --ttft-target-ms or give --itl-target-ms a target in ms"
     )
+
+
+def prefix_disk_tier_config(settings: RuntimeSettings) -> PrefixDiskTierConfig | None:
+    """--prefix-cache-dir and --prefix-cache-disk-gb as the tier's config; a size without a
+    directory, a directory without prefix reuse, or a size of 0 is refused, not ignored."""
+    directory, gb = settings.prefix_cache_dir, settings.prefix_cache_disk_gb
+    if directory is None:
+        if gb is not None:
+            raise LimitExceededError(
+                f"--prefix-cache-disk-gb (prefix_cache_disk_gb) {gb:g} needs --prefix-cache-dir (prefix_cache_dir)"
+            )
+        return None
+    if not settings.enable_prefix_reuse:
+        raise LimitExceededError(
+            "--prefix-cache-dir (prefix_cache_dir) keeps prefix-cache blocks, but prefix reuse is off "
+            "(--no-enable-prefix-reuse); drop one of them"
+        )
+    if gb is not None and not gb > 0:
+        raise LimitExceededError(f"--prefix-cache-disk-gb (prefix_cache_disk_gb) must be > 0, got {gb:g}")
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise LimitExceededError(f"--prefix-cache-dir (prefix_cache_dir) {directory} exists and is not a directory")
+    max_gb = DEFAULT_PREFIX_CACHE_DISK_GB if gb is None else gb
+    return PrefixDiskTierConfig(path, int(max_gb * BYTES_PER_GB))
 
 
 def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> RuntimeConfig:
@@ -299,5 +341,6 @@ def resolve_runtime_config(engine: EngineConfig, settings: RuntimeSettings) -> R
             "max_num_tokens": tokens,
             "num_kv_blocks": settings.kv_blocks or engine.limits.num_kv_blocks,
             "speculation": settings.speculation(),
+            "prefix_disk_tier": prefix_disk_tier_config(settings),
         }
     )

@@ -103,17 +103,14 @@ class WindowedKVCacheManager(KVCacheManager):
         return self.window.max_blocks_held(request.max_total_tokens)
 
     # -- prefix reuse -------------------------------------------------------------------------
-    def match_prefix(self, request: Request) -> list[int]:
+    def _longest_cached(self, hashes: list[bytes]) -> list[int]:
         """The longest cached prefix whose live blocks are cached; its dead entries are the null
         block. A hit of h blocks is read from block num_dead_blocks(h * block_size) on, so the
         blocks before need not be cached, and under pressure they are the first to go: a request
         gives its dead blocks back as it goes, so the LRU evicts a long prompt's beginning first,
         and matching from block 0 lost the whole hit with it (vLLM matches sliding-window
         prefixes from the right for the same reason)."""
-        if not self.enable_prefix_reuse:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        cached = [self._cached.get(block_hash) for block_hash in self._block_hashes(request, max_blocks)]
+        cached = [self._cached.get(block_hash) for block_hash in hashes]
         run = 0  # cached blocks in a row ending at cached[end - 1]
         best: list[int] = []
         for end, block_id in enumerate(cached, start=1):

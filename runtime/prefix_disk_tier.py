@@ -1,0 +1,278 @@
+"""PrefixDiskTier: prefix-cache blocks evicted from RAM kept in files, so a shared prefix survives
+eviction, idle unloads and restarts (`ifb run --prefix-cache-dir DIR --prefix-cache-disk-gb N`).
+
+    DIR/<sha256(build id || block key)>.kv     one full block: every layer's K and V rows of its slots
+    file = MAGIC | u32 header length | header (JSON: build id, key, dtype, shape) | payload | sha256(all before)
+
+The block key is the prefix-hash chain (prefix_hash.py), which already mixes in the tenant's
+cache_salt; the name adds the engine's build id, so a hit is the very block this engine would
+have computed, never another engine's or another tenant's. A file that is truncated, has a
+flipped byte or names another engine or key is refused (counted), removed, and is a miss.
+
+The KV manager calls it through `BlockTier` (kv_cache_manager.py), on the step loop:
+- spill: copies the block's rows out of the pool (a small tensor copy, before the block is
+  reused) and hands them to a writer thread through a bounded queue. A full queue drops the
+  spill (counted): the loop never waits on the disk. Until written, the rows are restorable.
+- restore: reads a file, verifies it, copies it into a freshly taken pool block.
+Files' bytes are bounded: the least recently used (by mtime; a restore touches its file) go first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ifb.runtime.engine_snapshot import DiskTierUsage
+from ifb.runtime.kv_cache_manager import NO_TIER, BlockTier
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"IFBKV01\n"
+SUFFIX = ".kv"
+_LENGTH = struct.Struct("<I")
+_DIGEST_BYTES = 32
+DEFAULT_MAX_QUEUED_BLOCKS = 64  # spills waiting for the writer; each holds one block's rows in memory
+BYTES_PER_GB = 10**9
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixDiskTierConfig:
+    directory: Path
+    max_bytes: int
+    max_queued_blocks: int = DEFAULT_MAX_QUEUED_BLOCKS
+
+
+class _Rejected(Exception):
+    """A file that is not this engine's block for this key (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Spill:
+    name: str
+    key: bytes
+    rows: torch.Tensor
+
+
+class PrefixDiskTier:
+    """The BlockTier over one directory's files (module docstring)."""
+
+    def __init__(self, config: PrefixDiskTierConfig, build_id: str, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.config = config
+        self._build_id = build_id
+        self._kv_cache = kv_cache  # [layers, K/V, slots, kv_heads, head_dim]: the engine's pool
+        self._block_size = block_size
+        self._shape = [kv_cache.shape[0], kv_cache.shape[1], block_size, *kv_cache.shape[3:]]
+        self._dtype = str(kv_cache.dtype).removeprefix("torch.")
+        self._lock = threading.Lock()  # the index, the pending rows and the byte count: loop and writer
+        self._files: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
+        self._pending: dict[str, torch.Tensor] = {}  # spilled, not written yet
+        self._num_bytes = 0
+        self.hit_tokens = self.miss_tokens = self.bytes_written = self.bytes_read = 0
+        self.dropped_spills = self.rejected_files = 0
+        config.directory.mkdir(parents=True, exist_ok=True)
+        self._scan()
+        self._queue: queue.Queue[_Spill | None] = queue.Queue(config.max_queued_blocks)
+        self._writer = threading.Thread(target=self._write_loop, name="ifb-prefix-disk-writer", daemon=True)
+        self._writer.start()
+
+    def file_name(self, key: bytes) -> str:
+        return hashlib.sha256(self._build_id.encode() + key).hexdigest() + SUFFIX
+
+    # -- BlockTier ------------------------------------------------------------------------------
+    def contains(self, block_hash: bytes) -> bool:
+        name = self.file_name(block_hash)
+        with self._lock:
+            return name in self._files or name in self._pending
+
+    def spill(self, block_hash: bytes, block_id: int, wait: bool = False) -> None:
+        name = self.file_name(block_hash)
+        if self.contains(block_hash):
+            return
+        start = block_id * self._block_size
+        rows = self._kv_cache[:, :, start : start + self._block_size].to(
+            "cpu", copy=True, memory_format=torch.contiguous_format
+        )
+        with self._lock:
+            self._pending[name] = rows
+        try:
+            self._queue.put(_Spill(name, block_hash, rows), block=wait)
+        except queue.Full:
+            with self._lock:
+                del self._pending[name]
+            self.dropped_spills += 1
+
+    def restore(self, block_hash: bytes, block_id: int) -> bool:
+        name = self.file_name(block_hash)
+        with self._lock:
+            rows = self._pending.get(name)
+            known = name in self._files
+        if rows is None and known:
+            rows = self._read(name, block_hash)
+        if rows is None:
+            return False
+        start = block_id * self._block_size
+        self._kv_cache[:, :, start : start + self._block_size].copy_(rows)
+        self.hit_tokens += self._block_size
+        return True
+
+    def count_misses(self, num_blocks: int) -> None:
+        self.miss_tokens += num_blocks * self._block_size
+
+    def usage(self) -> DiskTierUsage:
+        return DiskTierUsage(
+            self.hit_tokens,
+            self.miss_tokens,
+            self.bytes_written,
+            self.bytes_read,
+            self.dropped_spills,
+            self.rejected_files,
+            self._num_bytes,
+        )
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        self._queue.put(None)
+        self._writer.join()
+
+    # -- reading --------------------------------------------------------------------------------
+    def _read(self, name: str, key: bytes) -> torch.Tensor | None:
+        path = self.config.directory / name
+        try:
+            data = bytearray(path.read_bytes())
+            rows = self._parse(data, key)
+        except FileNotFoundError:  # removed under us (another server on this directory)
+            self._forget([name], unlink=False)
+            return None
+        except _Rejected as reason:
+            logger.warning("prefix disk tier: refusing %s (%s); removed", path, reason)
+            self.rejected_files += 1
+            self._forget([name], unlink=True)
+            return None
+        self.bytes_read += len(data)
+        os.utime(path)  # recently used: last in the LRU, across restarts too
+        with self._lock:
+            if name in self._files:
+                self._files.move_to_end(name)
+        return rows
+
+    def _parse(self, data: bytearray, key: bytes) -> torch.Tensor:
+        head = len(MAGIC) + _LENGTH.size
+        if len(data) < head + _DIGEST_BYTES or data[: len(MAGIC)] != MAGIC:
+            raise _Rejected("not a block file, or truncated")
+        body = memoryview(data)[: len(data) - _DIGEST_BYTES]
+        if hashlib.sha256(body).digest() != data[len(data) - _DIGEST_BYTES :]:
+            raise _Rejected("checksum mismatch")
+        (header_len,) = _LENGTH.unpack_from(data, len(MAGIC))
+        try:
+            header = json.loads(bytes(data[head : head + header_len]))
+        except ValueError as error:
+            raise _Rejected(f"unreadable header: {error}") from None
+        expected = self._header(key)
+        if header != expected:
+            raise _Rejected(f"header {header} is not this engine's block {expected}")
+        count = len(body) - head - header_len
+        if count != self._kv_cache.element_size() * _numel(self._shape):
+            raise _Rejected(f"payload of {count} bytes for shape {self._shape}")
+        rows = torch.frombuffer(data, dtype=self._kv_cache.dtype, offset=head + header_len, count=_numel(self._shape))
+        return rows.view(self._shape)
+
+    def _header(self, key: bytes) -> dict[str, Any]:
+        return {"build_id": self._build_id, "key": key.hex(), "dtype": self._dtype, "shape": self._shape}
+
+    # -- writing (the writer thread) -------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (spill := self._queue.get()) is not None:
+            try:
+                size: int | None = self._write_file(spill)
+            except OSError:
+                logger.exception("prefix disk tier: writing %s failed", spill.name)
+                size = None
+            with self._lock:
+                self._pending.pop(spill.name, None)
+                if size is not None:
+                    self._files[spill.name] = size
+                    self._num_bytes += size
+                    self.bytes_written += size
+            self._prune()
+
+    def _write_file(self, spill: _Spill) -> int:
+        """Written under a temporary name and renamed: a reader never sees half a file."""
+        header = json.dumps(self._header(spill.key)).encode()
+        payload = spill.rows.reshape(-1).view(torch.uint8).numpy().data
+        prefix = MAGIC + _LENGTH.pack(len(header)) + header
+        digest = hashlib.sha256(prefix)
+        digest.update(payload)
+        path = self.config.directory / spill.name
+        temporary = path.with_name(f".{spill.name}.{os.getpid()}.tmp")
+        with open(temporary, "wb") as file:
+            file.write(prefix)
+            file.write(payload)
+            file.write(digest.digest())
+        os.replace(temporary, path)
+        return len(prefix) + payload.nbytes + _DIGEST_BYTES
+
+    # -- the index and its bound ------------------------------------------------------------------
+    def _scan(self) -> None:
+        """The directory's block files (every engine's: they share the bound), oldest first."""
+        found = []
+        for entry in os.scandir(self.config.directory):
+            if entry.name.endswith(SUFFIX) and entry.is_file():
+                stat = entry.stat()
+                found.append((stat.st_mtime_ns, entry.name, stat.st_size))
+        for _, name, size in sorted(found):
+            self._files[name] = size
+            self._num_bytes += size
+        self._prune()
+        logger.info(
+            "prefix disk tier: %d files, %.1f MB in %s", len(self._files), self._num_bytes / 1e6, self.config.directory
+        )
+
+    def _prune(self) -> None:
+        with self._lock:
+            victims = []
+            while self._num_bytes > self.config.max_bytes and self._files:
+                name, size = self._files.popitem(last=False)
+                self._num_bytes -= size
+                victims.append(name)
+        self._unlink(victims)
+
+    def _forget(self, names: list[str], unlink: bool) -> None:
+        with self._lock:
+            for name in names:
+                self._num_bytes -= self._files.pop(name, 0)
+        if unlink:
+            self._unlink(names)
+
+    def _unlink(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                (self.config.directory / name).unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def make_block_tier(
+    config: PrefixDiskTierConfig | None, build_id: str, kv_cache: torch.Tensor, block_size: int
+) -> BlockTier:
+    """The one place that chooses: a disk tier when a directory was given, else none."""
+    if config is None:
+        return NO_TIER
+    return PrefixDiskTier(config, build_id, kv_cache, block_size)
