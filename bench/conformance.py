@@ -260,7 +260,8 @@ def run_llama(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: in
             # completion_probabilities has one entry per piece of text sent, not per token (byte-
             # fallback tokens of one character share one): tokens come from return_tokens
             tokens = [int(t) for t in data["tokens"]]
-            probs = data["completion_probabilities"][0]
+            entries = data.get("completion_probabilities") or [{"id": -1}]  # none: every token partial
+            probs = entries[0]
             if int(probs["id"]) != tokens[0]:
                 # a token whose text ends in an incomplete UTF-8 character gets no probabilities
                 # entry (server-context.cpp process_token), so entry 0 is a later position's. Ask
