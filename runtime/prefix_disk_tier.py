@@ -53,6 +53,11 @@ class PrefixDiskTierConfig:
     max_queued_blocks: int = DEFAULT_MAX_QUEUED_BLOCKS
 
 
+def block_file_name(build_id: str, key: bytes) -> str:
+    """The file of the block whose prefix-hash chain is `key`, in the engine `build_id`."""
+    return hashlib.sha256(build_id.encode() + key).hexdigest() + SUFFIX
+
+
 class _Rejected(Exception):
     """A file that is not this engine's block for this key (the message says why)."""
 
@@ -87,7 +92,7 @@ class PrefixDiskTier:
         self._writer.start()
 
     def file_name(self, key: bytes) -> str:
-        return hashlib.sha256(self._build_id.encode() + key).hexdigest() + SUFFIX
+        return block_file_name(self._build_id, key)
 
     # -- BlockTier ------------------------------------------------------------------------------
     def contains(self, block_hash: bytes) -> bool:
