@@ -13,6 +13,12 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# Qwen3-Thinking style: the prompt opens a think block unless enable_thinking is false.
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|assistant|>",
+    "<|assistant|>{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+    "{% else %}<think>{% endif %}",
+)
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "in flight batching admits requests between steps",

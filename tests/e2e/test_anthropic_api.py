@@ -5,26 +5,16 @@ tool_result, thinking blocks, count_tokens, Anthropic's error shape and x-api-ke
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
-from server_harness import running_server, warm_compile_worker
-from tiny_models import CHAT_TEMPLATE
+from server_harness import running_server
 
 from ifb import LLM
-from ifb.runtime.reasoning import ReasoningParserKind
 
-# Qwen3-Thinking style: the prompt opens a think block unless enable_thinking is false.
-THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
-    "<|assistant|>",
-    "<|assistant|>{% if enable_thinking is defined and not enable_thinking %}<think></think>"
-    "{% else %}<think>{% endif %}",
-)
 HI: list[Any] = [{"role": "user", "content": "hi"}]
 # The SDK no longer takes temperature (newer models drop it); the server still reads it.
 GREEDY: dict[str, Any] = {"model": "tiny", "extra_body": {"temperature": 0}}
@@ -42,26 +32,6 @@ MAX_CALL_TOKENS = 120  # the tiny tokenizer is nearly per-character: a whole cal
 KEY = "sekret"
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_engine: Path) -> Iterator[LLM]:
-    engine = LLM(tiny_llama_engine, max_batch_size=4, chat_template=THINKING_TEMPLATE)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def base(llm: LLM) -> Iterator[str]:
-    with running_server(llm, served_model_names=("tiny",)) as url:
-        warm_compile_worker(llm)  # the guided requests' client timeouts are for them, not the start
-        yield url
-
-
-@pytest.fixture(scope="module")
-def thinking_base(llm: LLM) -> Iterator[str]:
-    with running_server(llm, served_model_names=("tiny",), reasoning_parser=ReasoningParserKind.QWEN3) as url:
-        yield url
-
-
 def sdk(url: str, **options: Any) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key=options.pop("api_key", "none"), max_retries=0, **options)
 
@@ -76,10 +46,10 @@ def openai_chat(url: str, **body: Any) -> dict[str, Any]:
     return response.json()
 
 
-def test_a_message_is_the_chat_routes_reply(base: str) -> None:
+def test_a_message_is_the_chat_routes_reply(chat_server: str) -> None:
     """The same greedy tokens, prompt and counts as /v1/chat/completions: one request path."""
-    message = sdk(base).messages.create(messages=HI, max_tokens=8, **GREEDY)
-    chat = openai_chat(base, messages=HI, max_tokens=8, temperature=0)
+    message = sdk(chat_server).messages.create(messages=HI, max_tokens=8, **GREEDY)
+    chat = openai_chat(chat_server, messages=HI, max_tokens=8, temperature=0)
     assert message.id.startswith("msg_") and message.role == "assistant" and message.model == "tiny"
     assert [block.type for block in message.content] == ["text"]
     assert text_of(message) == chat["choices"][0]["message"]["content"] and text_of(message)
@@ -89,7 +59,7 @@ def test_a_message_is_the_chat_routes_reply(base: str) -> None:
     assert message.stop_reason == expected and message.stop_sequence is None
 
 
-def test_system_and_turns_make_the_chat_prompt(base: str) -> None:
+def test_system_and_turns_make_the_chat_prompt(chat_server: str) -> None:
     turns: list[Any] = [
         {"role": "user", "content": "hello"},
         {"role": "assistant", "content": [{"type": "text", "text": "hi there"}]},
@@ -101,8 +71,8 @@ def test_system_and_turns_make_the_chat_prompt(base: str) -> None:
         {"role": "assistant", "content": "hi there"},
         {"role": "user", "content": "how are you"},
     ]
-    ids = httpx.post(base + "/tokenize", json={"messages": as_openai}).json()["tokens"]
-    client = sdk(base)
+    ids = httpx.post(chat_server + "/tokenize", json={"messages": as_openai}).json()["tokens"]
+    client = sdk(chat_server)
     as_string = client.messages.create(system="be brief", messages=turns, max_tokens=4, **GREEDY)
     as_blocks = client.messages.create(
         system=[{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
@@ -113,14 +83,14 @@ def test_system_and_turns_make_the_chat_prompt(base: str) -> None:
     alone = client.messages.create(messages=turns[-1:], max_tokens=4, **GREEDY)
     assert as_string.usage.input_tokens == as_blocks.usage.input_tokens == len(ids)
     assert alone.usage.input_tokens < len(ids)
-    chat = openai_chat(base, messages=as_openai, max_tokens=4, temperature=0)
+    chat = openai_chat(chat_server, messages=as_openai, max_tokens=4, temperature=0)
     assert text_of(as_string) == text_of(as_blocks) == chat["choices"][0]["message"]["content"]
 
 
-def test_max_tokens_and_stop_sequences(base: str) -> None:
+def test_max_tokens_and_stop_sequences(chat_server: str) -> None:
     """A reply cut at max_tokens says so; a stop sequence taken from the middle of the greedy
     reply ends it just before, and is named."""
-    client = sdk(base)
+    client = sdk(chat_server)
     long = client.messages.create(messages=HI, max_tokens=24, **GREEDY)
     assert long.stop_reason == "max_tokens" and long.usage.output_tokens == 24, long
     text = text_of(long)
@@ -131,9 +101,9 @@ def test_max_tokens_and_stop_sequences(base: str) -> None:
     assert cut.usage.output_tokens < 24
 
 
-def test_streamed_events_come_in_anthropics_order(base: str) -> None:
-    whole = sdk(base).messages.create(messages=HI, max_tokens=16, **GREEDY)
-    with sdk(base).messages.stream(messages=HI, max_tokens=16, **GREEDY) as stream:
+def test_streamed_events_come_in_anthropics_order(chat_server: str) -> None:
+    whole = sdk(chat_server).messages.create(messages=HI, max_tokens=16, **GREEDY)
+    with sdk(chat_server).messages.stream(messages=HI, max_tokens=16, **GREEDY) as stream:
         events = list(stream)
         final = stream.get_final_message()
     kinds = [e.type for e in events if e.type in _RAW_EVENTS]
@@ -159,8 +129,8 @@ _RAW_EVENTS = {
 }
 
 
-def test_tool_choice_any_calls_a_tool_and_takes_its_result(base: str) -> None:
-    client = sdk(base)
+def test_tool_choice_any_calls_a_tool_and_takes_its_result(chat_server: str) -> None:
+    client = sdk(chat_server)
     asked: list[Any] = [{"role": "user", "content": "weather in Paris?"}]
     common: dict[str, Any] = {"tools": [WEATHER], "max_tokens": MAX_CALL_TOKENS, **GREEDY}
     first = client.messages.create(messages=asked, tool_choice={"type": "any"}, **common)
@@ -185,7 +155,7 @@ def test_tool_choice_any_calls_a_tool_and_takes_its_result(base: str) -> None:
         {"role": "assistant", "content": None, "tool_calls": [_openai_call(call)]},
         {"role": "tool", "tool_call_id": call.id, "content": result},
     ]
-    ids = httpx.post(base + "/tokenize", json={"messages": as_openai}).json()["tokens"]
+    ids = httpx.post(chat_server + "/tokenize", json={"messages": as_openai}).json()["tokens"]
     assert follow.usage.input_tokens == len(ids)  # the call and its result are in the prompt
 
 
@@ -193,8 +163,8 @@ def _openai_call(call: Any) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}
 
 
-def test_count_tokens_is_the_messages_input_tokens(base: str) -> None:
-    client = sdk(base)
+def test_count_tokens_is_the_messages_input_tokens(chat_server: str) -> None:
+    client = sdk(chat_server)
     body: dict[str, Any] = {"model": "tiny", "system": "be brief", "messages": HI, "tools": [WEATHER]}
     counted = client.messages.count_tokens(**body)
     message = client.messages.create(max_tokens=1, **body)
@@ -213,26 +183,26 @@ def test_count_tokens_is_the_messages_input_tokens(base: str) -> None:
         ({"messages": HI, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 2}}, "thinking"),
     ],
 )
-def test_bad_requests_get_anthropics_error_shape(base: str, body: dict[str, Any], named: str) -> None:
-    response = httpx.post(base + "/v1/messages", json={"model": "tiny", **body}, timeout=30)
+def test_bad_requests_get_anthropics_error_shape(chat_server: str, body: dict[str, Any], named: str) -> None:
+    response = httpx.post(chat_server + "/v1/messages", json={"model": "tiny", **body}, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert named in error["error"]["message"]
 
 
-def test_an_unknown_model_is_anthropics_404(base: str) -> None:
+def test_an_unknown_model_is_anthropics_404(chat_server: str) -> None:
     with pytest.raises(anthropic.NotFoundError) as missing:
-        sdk(base).messages.create(model="gpt-9", messages=HI, max_tokens=4)
+        sdk(chat_server).messages.create(model="gpt-9", messages=HI, max_tokens=4)
     body: Any = missing.value.body
     assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
     assert "gpt-9" in body["error"]["message"]
 
 
-def test_the_api_key_comes_as_x_api_key_or_bearer(llm: LLM) -> None:
+def test_the_api_key_comes_as_x_api_key_or_bearer(thinking_llm: LLM) -> None:
     """Anthropic's clients send `x-api-key` (this SDK version sends its api_key as a Bearer token,
     so the header is given as older versions and Claude Code send it)."""
-    with running_server(llm, served_model_names=("tiny",), api_key=KEY) as url:
+    with running_server(thinking_llm, served_model_names=("tiny",), api_key=KEY) as url:
         x_api_key = anthropic.Anthropic(base_url=url, api_key=None, default_headers={"x-api-key": KEY}, max_retries=0)
         assert x_api_key.messages.create(messages=HI, max_tokens=2, **GREEDY).content
         assert sdk(url, api_key=KEY).messages.create(messages=HI, max_tokens=2, **GREEDY).content  # Bearer
@@ -248,10 +218,10 @@ def test_the_api_key_comes_as_x_api_key_or_bearer(llm: LLM) -> None:
         assert chat.status_code == 401 and "param" in chat.json()["error"]  # the OpenAI routes keep their shape
 
 
-def test_thinking_comes_as_a_thinking_block(thinking_base: str) -> None:
+def test_thinking_comes_as_a_thinking_block(thinking_server: str) -> None:
     """The template opened <think>: with a budget of 3 tokens the reasoning is the first 3
     tokens' text, then content; streamed, thinking deltas come before text deltas."""
-    client = sdk(thinking_base)
+    client = sdk(thinking_server)
     first_three = client.messages.create(messages=HI, max_tokens=3, **GREEDY)
     assert [b.type for b in first_three.content] == ["thinking"]
     thinking = {"type": "enabled", "budget_tokens": 3}

@@ -6,26 +6,13 @@ items, stored responses and previous_response_id, and refusals that name the fie
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import running_server, warm_compile_worker
-from tiny_models import CHAT_TEMPLATE
 
-from ifb import LLM
-from ifb.runtime.reasoning import ReasoningParserKind
-
-# Qwen3-Thinking style: the prompt opens a think block unless enable_thinking is false.
-THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
-    "<|assistant|>",
-    "<|assistant|>{% if enable_thinking is defined and not enable_thinking %}<think></think>"
-    "{% else %}<think>{% endif %}",
-)
 GREEDY: dict[str, Any] = {"model": "tiny", "temperature": 0}
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -42,26 +29,6 @@ WEATHER: dict[str, Any] = {
 MAX_CALL_TOKENS = 120  # the tiny tokenizer is nearly per-character: a whole call takes ~80 tokens
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_engine: Path) -> Iterator[LLM]:
-    engine = LLM(tiny_llama_engine, max_batch_size=4, chat_template=THINKING_TEMPLATE)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def base(llm: LLM) -> Iterator[str]:
-    with running_server(llm, served_model_names=("tiny",)) as url:
-        warm_compile_worker(llm)  # the guided requests' client timeouts are for them, not the start
-        yield url
-
-
-@pytest.fixture(scope="module")
-def thinking_base(llm: LLM) -> Iterator[str]:
-    with running_server(llm, served_model_names=("tiny",), reasoning_parser=ReasoningParserKind.QWEN3) as url:
-        yield url
-
-
 def sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -76,11 +43,11 @@ def prompt_tokens(url: str, messages: list[dict[str, Any]]) -> int:
     return len(httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"])
 
 
-def test_a_response_is_the_chat_routes_reply(base: str) -> None:
+def test_a_response_is_the_chat_routes_reply(chat_server: str) -> None:
     """The same greedy tokens and counts as /v1/chat/completions; cut at max_output_tokens, the
     response says it is incomplete."""
-    response = sdk(base).responses.create(input="hi", max_output_tokens=8, **GREEDY)
-    reply = chat(base, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
+    response = sdk(chat_server).responses.create(input="hi", max_output_tokens=8, **GREEDY)
+    reply = chat(chat_server, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
     assert response.id.startswith("resp_") and response.object == "response" and response.model == "tiny"
     assert [item.type for item in response.output] == ["message"]
     assert response.output_text == reply["choices"][0]["message"]["content"] and response.output_text
@@ -93,7 +60,7 @@ def test_a_response_is_the_chat_routes_reply(base: str) -> None:
     assert response.incomplete_details.reason == "max_output_tokens"
 
 
-def test_instructions_and_message_items_make_the_chat_prompt(base: str) -> None:
+def test_instructions_and_message_items_make_the_chat_prompt(chat_server: str) -> None:
     items: list[Any] = [
         {"role": "user", "content": "hello"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi there"}]},
@@ -107,23 +74,23 @@ def test_instructions_and_message_items_make_the_chat_prompt(base: str) -> None:
         {"role": "developer", "content": "answer in one word"},
         {"role": "user", "content": "how are"},
     ]
-    response = sdk(base).responses.create(instructions="be brief", input=items, max_output_tokens=6, **GREEDY)
-    assert response.usage is not None and response.usage.input_tokens == prompt_tokens(base, as_chat)
-    reply = chat(base, messages=as_chat, max_tokens=6, temperature=0)
+    response = sdk(chat_server).responses.create(instructions="be brief", input=items, max_output_tokens=6, **GREEDY)
+    assert response.usage is not None and response.usage.input_tokens == prompt_tokens(chat_server, as_chat)
+    reply = chat(chat_server, messages=as_chat, max_tokens=6, temperature=0)
     assert response.output_text == reply["choices"][0]["message"]["content"]
     assert response.instructions == "be brief"
 
 
-def test_top_p_reaches_the_sampler(base: str) -> None:
+def test_top_p_reaches_the_sampler(chat_server: str) -> None:
     """A nucleus of one token at temperature 1 is the greedy reply (top_p is not dropped)."""
-    client = sdk(base)
+    client = sdk(chat_server)
     greedy = client.responses.create(input="hi", max_output_tokens=12, **GREEDY)
     nucleus = client.responses.create(model="tiny", input="hi", max_output_tokens=12, temperature=1, top_p=1e-6)
     assert nucleus.output_text == greedy.output_text and nucleus.top_p == 1e-6
 
 
-def test_streamed_events_come_in_the_documented_order(base: str) -> None:
-    client = sdk(base)
+def test_streamed_events_come_in_the_documented_order(chat_server: str) -> None:
+    client = sdk(chat_server)
     whole = client.responses.create(input="hi", max_output_tokens=16, **GREEDY)
     # As Codex asks: streamed, not stored, encrypted reasoning included (there is none to carry).
     codex: dict[str, Any] = {"stream": True, "store": False, "include": ["reasoning.encrypted_content"]}
@@ -146,8 +113,8 @@ def test_streamed_events_come_in_the_documented_order(base: str) -> None:
         client.responses.retrieve(final.id)  # store: false
 
 
-def test_a_function_call_and_its_output_round_trip(base: str) -> None:
-    client = sdk(base)
+def test_a_function_call_and_its_output_round_trip(chat_server: str) -> None:
+    client = sdk(chat_server)
     asked: list[Any] = [{"role": "user", "content": "weather in Paris?"}]
     common: dict[str, Any] = {"tools": [WEATHER], "max_output_tokens": MAX_CALL_TOKENS, **GREEDY}
     first = client.responses.create(input=asked, tool_choice="required", **common)
@@ -174,14 +141,14 @@ def test_a_function_call_and_its_output_round_trip(base: str) -> None:
         {"role": "assistant", "content": None, "tool_calls": [_chat_call(call)]},
         {"role": "tool", "tool_call_id": call.call_id, "content": result},
     ]
-    assert follow.usage is not None and follow.usage.input_tokens == prompt_tokens(base, as_chat)
+    assert follow.usage is not None and follow.usage.input_tokens == prompt_tokens(chat_server, as_chat)
 
 
 def _chat_call(call: Any) -> dict[str, Any]:
     return {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def test_text_format_json_schema_is_guided(base: str) -> None:
+def test_text_format_json_schema_is_guided(chat_server: str) -> None:
     """text.format json_schema constrains the reply as chat's response_format does: the same text."""
     schema = {
         "type": "object",
@@ -190,17 +157,21 @@ def test_text_format_json_schema_is_guided(base: str) -> None:
         "additionalProperties": False,
     }
     text = {"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}}
-    response = sdk(base).responses.create(input="where?", text=text, max_output_tokens=60, **GREEDY)  # type: ignore[arg-type]
+    response = sdk(chat_server).responses.create(input="where?", text=text, max_output_tokens=60, **GREEDY)  # type: ignore[arg-type]
     jsonschema.validate(json.loads(response.output_text), schema)
     format_ = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
     reply = chat(
-        base, messages=[{"role": "user", "content": "where?"}], response_format=format_, max_tokens=60, temperature=0
+        chat_server,
+        messages=[{"role": "user", "content": "where?"}],
+        response_format=format_,
+        max_tokens=60,
+        temperature=0,
     )
     assert response.output_text == reply["choices"][0]["message"]["content"]
 
 
-def test_stored_responses_and_previous_response_id(base: str) -> None:
-    client = sdk(base)
+def test_stored_responses_and_previous_response_id(chat_server: str) -> None:
+    client = sdk(chat_server)
     first = client.responses.create(input="hi", max_output_tokens=4, **GREEDY)
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
     second = client.responses.create(previous_response_id=first.id, input="more", max_output_tokens=4, **GREEDY)
@@ -209,11 +180,11 @@ def test_stored_responses_and_previous_response_id(base: str) -> None:
         {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "more"},
     ]
-    assert second.usage is not None and second.usage.input_tokens == prompt_tokens(base, as_chat)
+    assert second.usage is not None and second.usage.input_tokens == prompt_tokens(chat_server, as_chat)
     assert second.previous_response_id == first.id
     third = client.responses.create(previous_response_id=second.id, input="again", max_output_tokens=4, **GREEDY)
     as_chat += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "again"}]
-    assert third.usage is not None and third.usage.input_tokens == prompt_tokens(base, as_chat)
+    assert third.usage is not None and third.usage.input_tokens == prompt_tokens(chat_server, as_chat)
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError) as gone:
         client.responses.retrieve(first.id)
@@ -242,28 +213,28 @@ def test_stored_responses_and_previous_response_id(base: str) -> None:
         ({"max_reasoning_tokens": 2}, "max_reasoning_tokens", "reasoning parser"),  # none on this server
     ],
 )
-def test_unsupported_fields_are_refused_by_name(base: str, extra: dict[str, Any], param: str, said: str) -> None:
-    response = httpx.post(base + "/v1/responses", json={"model": "tiny", "input": "hi", **extra}, timeout=30)
+def test_unsupported_fields_are_refused_by_name(chat_server: str, extra: dict[str, Any], param: str, said: str) -> None:
+    response = httpx.post(chat_server + "/v1/responses", json={"model": "tiny", "input": "hi", **extra}, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert said in error["message"], error
 
 
-def test_an_unknown_model_is_a_404(base: str) -> None:
+def test_an_unknown_model_is_a_404(chat_server: str) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
-        sdk(base).responses.create(model="gpt-9", input="hi")
+        sdk(chat_server).responses.create(model="gpt-9", input="hi")
     assert "gpt-9" in str(missing.value)
 
 
-def test_reasoning_comes_as_a_reasoning_item(base: str, thinking_base: str) -> None:
+def test_reasoning_comes_as_a_reasoning_item(chat_server: str, thinking_server: str) -> None:
     """The template opened <think>: the reasoning item holds what chat's reasoning_content
     holds; with a budget of 3 tokens the reasoning is the first 3 tokens' text, then a message,
     streamed as reasoning_text deltas before output_text deltas; effort none turns thinking off
     in the template."""
-    client = sdk(thinking_base)
+    client = sdk(thinking_server)
     unbudgeted = client.responses.create(input="hi", max_output_tokens=24, **GREEDY)
-    reply = chat(thinking_base, messages=[{"role": "user", "content": "hi"}], max_tokens=24, temperature=0)
+    reply = chat(thinking_server, messages=[{"role": "user", "content": "hi"}], max_tokens=24, temperature=0)
     assert [item.type for item in unbudgeted.output] == ["reasoning"]  # 24 tokens stay inside the block
     assert _reasoning_text(unbudgeted) == reply["choices"][0]["message"]["reasoning_content"]
     first_three = client.responses.create(input="hi", max_output_tokens=3, **GREEDY)
@@ -280,7 +251,7 @@ def test_reasoning_comes_as_a_reasoning_item(base: str, thinking_base: str) -> N
     assert _reasoning_text(streamed) == _reasoning_text(response) and streamed.output_text == response.output_text
     off = client.responses.create(input="hi", max_output_tokens=4, reasoning={"effort": "none"}, **GREEDY)
     assert [item.type for item in off.output] == ["message"]  # the template closed the block
-    plain = sdk(base).responses.create(input="hi", max_output_tokens=4, **GREEDY)
+    plain = sdk(chat_server).responses.create(input="hi", max_output_tokens=4, **GREEDY)
     assert [item.type for item in plain.output] == ["message"]  # no parser: the reply as generated
 
 
