@@ -152,6 +152,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ifb-int8-kernels-") as scratch:
         build_engine_kernels(Path(scratch), ArtifactCache())  # the kernel library for this CPU, loaded here
         peak = measure_int8_peak()
+        for (
+            other
+        ) in QuantIsa:  # the other paths this CPU runs: what an AVX2 or AVX-512 machine's loop could do per clock
+            if other is not peak.isa and set(isa_features(other)) <= cpu_features():
+                slower = measure_int8_peak(other)
+                print(f"  ({other.value} path: {slower.macs_per_s / 1e9:.1f} G/s with {slower.instruction})")
         print(f"int8 peak: {peak.macs_per_s / 1e9:.1f} G multiply-adds/s ({peak.instruction}, {peak.threads} threads)")
         for n, k, type_name in MATMULS[args.shapes]:
             rate = kernel_macs_per_s(args.rows, n, k, type_name)
