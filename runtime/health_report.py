@@ -4,6 +4,7 @@ snapshot. The server returns it as the engine client hands it over (runtime/engi
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from ifb.runtime.engine_format import EngineConfig
@@ -101,6 +102,8 @@ def health_body(
             "kv_blocks_cached": kv.num_cached_blocks,
             "prefix_cache_queried_tokens": kv.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+            # the disk tier (--prefix-cache-dir); zeros without one
+            **{f"prefix_cache_disk_{name}": value for name, value in asdict(kv.disk).items()},
         },
         "speculative": speculative_block(snapshot, config),
         "guided": {

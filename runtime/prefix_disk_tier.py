@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ifb.runtime.engine_snapshot import DiskTierUsage
+from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.kv_cache_manager import NO_TIER, BlockTier
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class PrefixDiskTier:
 
     def __init__(self, config: PrefixDiskTierConfig, build_id: str, kv_cache: torch.Tensor, block_size: int) -> None:
         self.config = config
+        self._closed = False
         self._build_id = build_id
         self._kv_cache = kv_cache  # [layers, K/V, slots, kv_heads, head_dim]: the engine's pool
         self._block_size = block_size
@@ -102,7 +104,7 @@ class PrefixDiskTier:
 
     def spill(self, block_hash: bytes, block_id: int, wait: bool = False) -> None:
         name = self.file_name(block_hash)
-        if self.contains(block_hash):
+        if self._closed or self.contains(block_hash):
             return
         start = block_id * self._block_size
         rows = self._kv_cache[:, :, start : start + self._block_size].to(
@@ -147,6 +149,7 @@ class PrefixDiskTier:
 
     def close(self) -> None:
         """Write what is queued, then stop the writer."""
+        self._closed = True
         self._queue.put(None)
         self._writer.join()
 
@@ -156,7 +159,8 @@ class PrefixDiskTier:
         try:
             data = bytearray(path.read_bytes())
             rows = self._parse(data, key)
-        except FileNotFoundError:  # removed under us (another server on this directory)
+        except OSError as error:  # removed under us (another server on this directory), or unreadable
+            logger.warning("prefix disk tier: cannot read %s (%s); a miss", path, error)
             self._forget([name], unlink=False)
             return None
         except _Rejected as reason:
@@ -165,7 +169,10 @@ class PrefixDiskTier:
             self._forget([name], unlink=True)
             return None
         self.bytes_read += len(data)
-        os.utime(path)  # recently used: last in the LRU, across restarts too
+        try:
+            os.utime(path)  # recently used: last in the LRU, across restarts too
+        except OSError:
+            pass  # removed since: the rows are read already
         with self._lock:
             if name in self._files:
                 self._files.move_to_end(name)
@@ -200,7 +207,7 @@ class PrefixDiskTier:
         while (spill := self._queue.get()) is not None:
             try:
                 size: int | None = self._write_file(spill)
-            except OSError:
+            except Exception:  # a full disk, say: this block is lost, the writer goes on
                 logger.exception("prefix disk tier: writing %s failed", spill.name)
                 size = None
             with self._lock:
@@ -280,4 +287,7 @@ def make_block_tier(
     """The one place that chooses: a disk tier when a directory was given, else none."""
     if config is None:
         return NO_TIER
-    return PrefixDiskTier(config, build_id, kv_cache, block_size)
+    try:
+        return PrefixDiskTier(config, build_id, kv_cache, block_size)
+    except OSError as error:
+        raise LimitExceededError(f"--prefix-cache-dir (prefix_cache_dir) {config.directory}: {error}") from error

@@ -70,6 +70,7 @@ def test_a_restart_restores_the_prefix_from_disk(tiny_llama_engine: Path, prompt
     assert metric(second, "ifb:prefix_cache_disk_hits_total") == HIT_TOKENS
     assert metric(second, "ifb:prefix_cache_disk_read_bytes_total") == written.bytes_written
     assert metric(first, "ifb:prefix_cache_disk_misses_total") == HIT_TOKENS  # cold: found nowhere
+    assert second.health_report().body["kv_cache"]["prefix_cache_disk_hit_tokens"] == HIT_TOKENS
 
 
 def test_an_evicted_prefix_comes_back_from_disk(tiny_llama_engine: Path, prompt: list[int], tmp_path: Path) -> None:

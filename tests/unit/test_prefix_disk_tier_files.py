@@ -13,7 +13,7 @@ from fakes import make_request
 
 from ifb.runtime.errors import LimitExceededError
 from ifb.runtime.kv_cache_manager import KVCacheManager
-from ifb.runtime.prefix_disk_tier import PrefixDiskTier, PrefixDiskTierConfig, _Spill
+from ifb.runtime.prefix_disk_tier import PrefixDiskTier, PrefixDiskTierConfig, _Spill, make_block_tier
 from ifb.runtime.prefix_hash import prefix_block_keys
 from ifb.runtime.runtime_config import RuntimeSettings, prefix_disk_tier_config
 
@@ -248,3 +248,22 @@ def test_disk_tier_options_become_its_config(tmp_path: Path) -> None:
     config = prefix_disk_tier_config(RuntimeSettings(prefix_cache_dir=str(tmp_path), prefix_cache_disk_gb=0.5))
     assert config == PrefixDiskTierConfig(tmp_path, GB // 2)
     assert prefix_disk_tier_config(RuntimeSettings()) is None
+
+
+def test_a_file_removed_under_the_tier_is_a_miss(tmp_path: Path) -> None:
+    """Another server on the directory pruned it after this one listed it: a miss, not an error."""
+    tier = make_tier(tmp_path, make_pool())
+    tier.spill(key(0), 0)
+    tier.close()
+    again = make_tier(tmp_path, make_pool())
+    (tmp_path / again.file_name(key(0))).unlink()
+    assert again.contains(key(0)) and not again.restore(key(0), 1)
+    assert not again.contains(key(0)) and again.usage().rejected_files == 0
+    again.close()
+
+
+def test_an_unusable_directory_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    config = PrefixDiskTierConfig(tmp_path / "file" / "tier", GB)
+    with pytest.raises(LimitExceededError, match=r"--prefix-cache-dir \(prefix_cache_dir\) .*file/tier"):
+        make_block_tier(config, "build-a", make_pool(), BLOCK)
