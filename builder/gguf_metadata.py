@@ -75,6 +75,7 @@ _OFF_VALUES: dict[str, Any] = {
 }
 # tensor name fragments of a mixture of experts: the router and the stacked experts
 _EXPERT_TENSOR_MARKS = ("ffn_gate_inp", "_exps", "_shexp", "_chexps")
+_SHARED_EXPERT_TENSOR_MARKS = ("_shexp", "_chexps")
 # llama.cpp's RoPE factors: one per rotary pair, the inverse frequencies divided by them
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
@@ -91,7 +92,7 @@ def refuse_unread_keys(reader: Any, architecture: str, family_keys: tuple[str, .
     `family_keys`: the keys the architecture's family reads besides every family's."""
     prefix = f"{architecture}."
     understood = set(UNDERSTOOD_KEYS) | set(family_keys)
-    _refuse_experts(reader, architecture)
+    _refuse_experts(reader, architecture, family_keys)
     refused, unread = [], []
     for key in reader.fields:
         if not key.startswith(prefix):
@@ -113,19 +114,27 @@ def refuse_unread_keys(reader: Any, architecture: str, family_keys: tuple[str, .
         logger.warning("GGUF metadata not read (not known to change the computation): %s", ", ".join(unread))
 
 
-def _refuse_experts(reader: Any, architecture: str) -> None:
+def _refuse_experts(reader: Any, architecture: str, family_keys: tuple[str, ...]) -> None:
+    """Refuse a mixture of experts, naming it as one, unless its family reads experts (qwen3moe);
+    shared experts (`*_shexp`, `*_chexps`: Qwen2-MoE, DeepSeek) are refused even then."""
+    reads_experts = "expert_count" in family_keys
     counts = {
         key: field_value(reader, f"{architecture}.{key}")
         for key in ("expert_count", "expert_used_count")
-        if field_value(reader, f"{architecture}.{key}")
+        if field_value(reader, f"{architecture}.{key}") and not reads_experts
     }
-    tensors = [t.name for t in reader.tensors if any(mark in t.name for mark in _EXPERT_TENSOR_MARKS)]
+    marks = _SHARED_EXPERT_TENSOR_MARKS if reads_experts else _EXPERT_TENSOR_MARKS
+    tensors = [t.name for t in reader.tensors if any(mark in t.name for mark in marks)]
+    if reads_experts and tensors:
+        raise UnsupportedModelError(
+            f"this {architecture} GGUF has shared experts ({', '.join(tensors[:4])}); only routed experts are supported"
+        )
     if counts or tensors:
         said = ", ".join(f"{architecture}.{key} = {value}" for key, value in counts.items())
         shown = ", ".join(tensors[:4]) + (f" (+{len(tensors) - 4} more)" if len(tensors) > 4 else "")
         raise UnsupportedModelError(
             f"this {architecture} GGUF is a mixture of experts ({'; '.join(p for p in (said, shown) if p)}); "
-            "only dense models are supported"
+            "only dense models and qwen3moe's experts are supported"
         )
 
 

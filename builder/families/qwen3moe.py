@@ -20,6 +20,7 @@ from ifb.builder.families.family import (
     Family,
     WindowRule,
 )
+from ifb.builder.gguf_metadata import field_value
 from ifb.runtime.engine_format import ModelSpec
 
 
@@ -42,6 +43,7 @@ class Qwen3Moe(Family):
         "mlp.experts_gate_up": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"),
         "mlp.experts_down": ("mlp.experts.{e}.down_proj",),
     }
+    gguf_keys = ("expert_count", "expert_used_count", "expert_feed_forward_length")
     gguf_layer_experts = {
         "mlp.experts_gate_up": ("ffn_gate_exps", "ffn_up_exps"),
         "mlp.experts_down": ("ffn_down_exps",),
@@ -70,3 +72,14 @@ class Qwen3Moe(Family):
             moe_intermediate_size=int(config.moe_intermediate_size),
             norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
         )
+
+    def read_gguf(self, config: Any, reader: Any) -> Any:
+        """The experts' width, which transformers' GGUF reader does not map (it leaves
+        Qwen3MoeConfig's 768), and norm_topk_prob: llama.cpp's qwen3moe graph always renormalizes."""
+        config = super().read_gguf(config, reader)
+        width = field_value(reader, f"{self.gguf_name}.expert_feed_forward_length")
+        if width is None:
+            raise UnsupportedModelError(f"GGUF {self.gguf_name} file lacks {self.gguf_name}.expert_feed_forward_length")
+        config.moe_intermediate_size = int(width)
+        config.norm_topk_prob = True
+        return config
