@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ifb.cli.field_options import field_options, from_params
 from ifb.cli.option_groups import GroupedCommand
 from ifb.cli.serving_options import (
     SERVING_OPTION_GROUPS,
@@ -20,18 +21,23 @@ from ifb.cli.serving_options import (
     setup_logging,
 )
 from ifb.runtime.errors import IfbError
-from ifb.runtime.runtime_config import RuntimeSettings, ServerSettings
+from ifb.runtime.runtime_config import RouterSettings, RuntimeSettings, ServerSettings
 from ifb.runtime.step.engine import set_compute_threads
 from ifb.stop_signal import sigterm_exits
 
 if TYPE_CHECKING:
     from ifb.llm import LLM
+    from ifb.runtime.server.model_router import ModelRouter
 
 logger = logging.getLogger(__name__)
 
 RUN_OPTION_GROUPS = merge_groups(
     SERVING_OPTION_GROUPS,
-    {"Model": ("threads",), "One-shot prompt (instead of serving)": ("prompt", "max_tokens", "temperature")},
+    {
+        "Model": ("threads",),
+        "Several models": ("models_dir", "max_loaded_models", "idle_unload_s"),
+        "One-shot prompt (instead of serving)": ("prompt", "max_tokens", "temperature"),
+    },
 )
 
 
@@ -79,8 +85,9 @@ def _serve(llm: LLM, server: ServerSettings, log_level: str) -> None:
 
 
 @click.command(cls=GroupedCommand, option_groups=RUN_OPTION_GROUPS)
-@click.argument("target", required=False)
+@click.argument("targets", nargs=-1)
 @serving_options
+@field_options(RouterSettings)
 @click.option(
     "--threads", type=click.IntRange(min=1), default=None, help="Compute threads (default: as the environment says)."
 )
@@ -88,15 +95,20 @@ def _serve(llm: LLM, server: ServerSettings, log_level: str) -> None:
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="With --prompt.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="With --prompt.")
 @click.pass_context
-def run(ctx: click.Context, target: str | None, **params: Any) -> None:
+def run(ctx: click.Context, targets: tuple[str, ...], **params: Any) -> None:
     """Serve TARGET (an engine folder, a model SOURCE, or nothing = the bundled SmolLM2).
 
-    A SOURCE reuses a matching engine under engines/ or builds one first.
+    A SOURCE reuses a matching engine under engines/ or builds one first. Several TARGETs (or
+    --models-dir) are served together, each under its name, loaded on its first request.
     """
     log_level = setup_logging(ctx, params)
     server = server_settings(params)
     set_compute_threads(params["threads"])
     settings = runtime_settings(params)
+    if len(targets) > 1 or router_settings(params).in_use:
+        _serve_many(make_router(targets, params), server, log_level)
+        return
+    target = targets[0] if targets else None
     with sigterm_exits():  # so a SIGTERM, like Ctrl-C, closes the LLM and its compile workers
         llm = _load_llm(target, params, settings)
         try:
@@ -107,6 +119,33 @@ def run(ctx: click.Context, target: str | None, **params: Any) -> None:
                 _serve(llm, server, log_level)
         finally:
             llm.close()
+
+
+def router_settings(params: Mapping[str, Any]) -> RouterSettings:
+    try:
+        return from_params(RouterSettings, params)
+    except IfbError as error:
+        raise click.UsageError(str(error)) from None
+
+
+def make_router(targets: tuple[str, ...], params: Mapping[str, Any]) -> ModelRouter:
+    """The app serving several models (the TARGETs and --models-dir's), each loaded on its first
+    request with the flags' runtime settings. Cores: the models share this process's one
+    --threads setting (runtime/server/model_pool.py says what that means for busy models)."""
+    from ifb.cli.many_models import check_many_models, router_app
+
+    check_many_models(targets, params)
+    settings, server = runtime_settings(params), server_settings(params)
+    return router_app(targets, router_settings(params), server, lambda target: _load_llm(target, params, settings))
+
+
+def _serve_many(app: ModelRouter, server: ServerSettings, log_level: str) -> None:
+    import uvicorn
+
+    sys.setswitchinterval(0.0005)  # as _serve: the step loops wait less for the GIL
+    logger.info("serving on http://%s:%d", server.host, server.port)
+    with sigterm_exits():  # the app's lifespan shutdown closes every loaded model
+        uvicorn.run(app, host=server.host, port=server.port, log_level=log_level, log_config=None)
 
 
 def _load_llm(target: str | None, params: Mapping[str, Any], settings: RuntimeSettings) -> LLM:

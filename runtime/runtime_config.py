@@ -211,6 +211,42 @@ class ServerSettings:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("host", "port")}
 
 
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """`ifb run` with several models (runtime/server/model_router.py): where they come from besides
+    the TARGETs, and how many stay loaded."""
+
+    models_dir: str | None = option(
+        None,
+        "Serve every engine folder and .gguf file in DIR too, each named by its folder name or file stem "
+        "(a .gguf is built on its first request, as a SOURCE TARGET is).",
+    )
+    max_loaded_models: int | None = option(
+        None,
+        "Most models loaded at once: a request for another unloads the least recently used idle one first, "
+        "or gets a 503 when every loaded one is busy. Default: no bound.",
+        minimum=1,
+    )
+    idle_unload_s: float | None = option(
+        None, "Unload a model no request has used for this many seconds (it loads again on the next).", minimum=0
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise LimitExceededError(
+                f"--max-loaded-models (max_loaded_models) must be >= 1, got {self.max_loaded_models}"
+            )
+        if self.idle_unload_s is not None and not self.idle_unload_s > 0:
+            raise LimitExceededError(f"--idle-unload-s (idle_unload_s) must be > 0, got {self.idle_unload_s:g}")
+        if self.models_dir is not None and not Path(self.models_dir).is_dir():
+            raise LimitExceededError(f"--models-dir (models_dir) {self.models_dir} is not a directory")
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any router flag was given (one model and none of them: today's one-model app)."""
+        return any(getattr(self, f.name) is not None for f in fields(self))
+
+
 def _listening(name: str) -> Any:
     """ServerSettings' field `name` again, set by no flag of its own (`ifb serve` reads --host and
     --port through ServerSettings, as `ifb run` does)."""

@@ -18,11 +18,17 @@ from ifb.cli.serve_command import SERVE_OPTION_GROUPS, serve
 from ifb.cli.serving_options import build_options_for, runtime_settings, server_settings
 from ifb.runtime.engine_format import BuildOptionsRecord
 from ifb.runtime.errors import LimitExceededError
-from ifb.runtime.runtime_config import RuntimeSettings, ServeOptions, ServerSettings, check_minimums
+from ifb.runtime.runtime_config import (
+    RouterSettings,
+    RuntimeSettings,
+    ServeOptions,
+    ServerSettings,
+    check_minimums,
+)
 
 # `ifb run` only: the one-shot prompt; a replica's threads are serve's --threads (an alias of
 # --threads-per-replica).
-RUN_ONLY = {"prompt", "max_tokens", "temperature", "threads"}
+RUN_ONLY = {"prompt", "max_tokens", "temperature", "threads", "models_dir", "max_loaded_models", "idle_unload_s"}
 
 
 def options_of(command: click.Command) -> dict[str, click.Option]:
@@ -68,7 +74,7 @@ def test_serve_help_lists_every_applicable_run_option() -> None:
 @pytest.mark.parametrize(
     ("command", "classes"),
     [
-        (run, (RuntimeSettings, ServerSettings)),
+        (run, (RuntimeSettings, ServerSettings, RouterSettings)),
         (serve, (RuntimeSettings, ServerSettings, ServeOptions)),
         (build, (BuildOptions,)),
     ],

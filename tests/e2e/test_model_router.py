@@ -1,0 +1,174 @@
+"""Several models behind one `ifb run` server (runtime/server/model_router.py): the session's tiny
+Llama and tiny Qwen2 engines, served through the app `ifb run` makes for several TARGETs. Each
+answers under its name with its own greedy text, /v1/models shows them load and unload, a bound
+of one loaded model swaps them, an unknown model is a 404 naming it, and idle models unload."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from server_harness import free_port
+from waiting import wait_until
+
+from ifb import LLM
+from ifb.cli.run_command import make_router, run
+from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.server.model_router import ModelRouter
+
+LLAMA, QWEN = "tiny-llama-fp32", "tiny-qwen2-fp32"  # the engines' folder names: their served names
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 12
+LOAD_S = 300  # upper bound for loading a tiny engine on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_llama_engine: Path, tiny_qwen2_engine: Path) -> dict[str, str]:
+    """Each model's greedy text served alone: what the router must give under its name."""
+    texts = {}
+    for name, engine in ((LLAMA, tiny_llama_engine), (QWEN, tiny_qwen2_engine)):
+        with LLM(engine) as llm:
+            (output,) = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+            texts[name] = output.text
+    assert texts[LLAMA] != texts[QWEN]  # else answering under the wrong name would go unseen
+    return texts
+
+
+@contextmanager
+def router_server(*args: str) -> Iterator[tuple[str, ModelRouter]]:
+    """The router `ifb run ARGS` serves, on a free loopback port (its shutdown closes the models)."""
+    targets_and_flags = run.make_context("run", list(args))
+    app = make_router(targets_and_flags.params["targets"], targets_and_flags.params)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    wait_until(
+        lambda: httpx.get(base + "/health/live", timeout=5).status_code == 200,
+        60,
+        "the router to answer /health/live",
+        ignoring=(httpx.HTTPError,),
+    )
+    try:
+        yield base, app
+    finally:
+        server.should_exit = True
+        thread.join(LOAD_S)
+        assert not thread.is_alive()
+
+
+def states(base: str) -> dict[str, str]:
+    body = httpx.get(base + "/v1/models", timeout=30).json()
+    assert body["object"] == "list"
+    return {card["id"]: card["status"] for card in body["data"]}
+
+
+def complete(base: str, model: str) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    return httpx.post(base + "/v1/completions", json=body, timeout=LOAD_S)
+
+
+def completion_text(base: str, model: str) -> str:
+    response = complete(base, model)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == model
+    return str(response.json()["choices"][0]["text"])
+
+
+def test_two_models_answer_under_their_names(
+    tiny_llama_engine: Path, tiny_qwen2_engine: Path, alone: dict[str, str]
+) -> None:
+    with router_server(str(tiny_llama_engine), str(tiny_qwen2_engine)) as (base, _):
+        assert states(base) == {LLAMA: "unloaded", QWEN: "unloaded"}
+        assert completion_text(base, LLAMA) == alone[LLAMA]
+        assert states(base) == {LLAMA: "loaded", QWEN: "unloaded"}
+        assert completion_text(base, QWEN) == alone[QWEN]
+        assert states(base) == {LLAMA: "loaded", QWEN: "loaded"}
+        chat = {"model": QWEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        response = httpx.post(base + "/v1/chat/completions", json=chat, timeout=LOAD_S)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == QWEN
+        health = httpx.get(base + "/health", timeout=30)
+        assert health.status_code == 200
+        assert {name: model["state"] for name, model in health.json()["models"].items()} == states(base)
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        assert f'model="{LLAMA}"' in metrics and f'model="{QWEN}"' in metrics
+
+
+def test_one_loaded_model_at_a_time_swaps_them(
+    tiny_llama_engine: Path, tiny_qwen2_engine: Path, alone: dict[str, str]
+) -> None:
+    args = (str(tiny_llama_engine), str(tiny_qwen2_engine), "--max-loaded-models", "1")
+    with router_server(*args) as (base, router):
+        assert completion_text(base, LLAMA) == alone[LLAMA]
+        first = router.pool.slots[LLAMA].engine
+        assert first is not None
+        assert completion_text(base, QWEN) == alone[QWEN]
+        assert states(base) == {LLAMA: "unloaded", QWEN: "loaded"}
+        wait_until(lambda: not first.health().ok, 60, "the unloaded model's step loop to stop")
+        assert completion_text(base, LLAMA) == alone[LLAMA]
+        assert states(base) == {LLAMA: "loaded", QWEN: "unloaded"}
+
+
+def test_an_unknown_or_missing_model_is_a_404_naming_it(tiny_llama_engine: Path, tiny_qwen2_engine: Path) -> None:
+    with router_server(str(tiny_llama_engine), str(tiny_qwen2_engine)) as (base, _):
+        response = complete(base, "gpt-4o")
+        assert response.status_code == 404
+        error = response.json()["error"]
+        assert "'gpt-4o'" in error["message"] and LLAMA in error["message"] and QWEN in error["message"]
+        assert (error["param"], error["code"]) == ("model", "model_not_found")
+        missing = httpx.post(base + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert missing.status_code == 404 and "names no model" in missing.json()["error"]["message"]
+        anthropic = {"model": "claude", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        refused = httpx.post(base + "/v1/messages", json=anthropic, timeout=30)
+        assert refused.status_code == 404
+        assert refused.json()["type"] == "error" and "'claude'" in refused.json()["error"]["message"]
+        assert httpx.get(base + "/v1/models/gpt-4o", timeout=30).status_code == 404
+        assert states(base) == {LLAMA: "unloaded", QWEN: "unloaded"}  # nothing loaded for them
+
+
+def test_an_idle_model_unloads(tiny_llama_engine: Path, tiny_qwen2_engine: Path, alone: dict[str, str]) -> None:
+    args = (str(tiny_llama_engine), str(tiny_qwen2_engine), "--idle-unload-s", "0.5")
+    with router_server(*args) as (base, router):
+        assert completion_text(base, LLAMA) == alone[LLAMA]
+        engine = router.pool.slots[LLAMA].engine
+        assert engine is not None  # loaded, and then unloaded by the idle timer alone
+        wait_until(lambda: states(base)[LLAMA] == "unloaded", 60, "the idle model to unload")
+        wait_until(lambda: not engine.health().ok, 60, "its step loop to stop")
+        assert completion_text(base, LLAMA) == alone[LLAMA]  # and it loads again on the next request
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-loaded-models", "0"], "--max-loaded-models"),
+        (["--idle-unload-s", "0"], "--idle-unload-s (idle_unload_s) must be > 0"),
+        (["--models-dir", "/nonexistent-dir"], "--models-dir (models_dir) /nonexistent-dir is not a directory"),
+    ],
+)
+def test_bad_router_flags_are_refused_naming_the_option(args: list[str], message: str) -> None:
+    from click.testing import CliRunner
+
+    from ifb.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["run", "a", "b", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_models_dir_names_models_by_folder_and_stem(
+    tmp_path: Path, tiny_llama_engine: Path, tiny_qwen2_engine: Path
+) -> None:
+    (tmp_path / "llama").symlink_to(tiny_llama_engine)
+    (tmp_path / "qwen").symlink_to(tiny_qwen2_engine)
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "small.gguf").write_bytes(b"")  # named only: nothing loads until a request names it
+    context = run.make_context("run", ["--models-dir", str(tmp_path)])
+    router = make_router(context.params["targets"], context.params)
+    assert router.pool.names == ("llama", "qwen", "small")
