@@ -62,8 +62,8 @@ def test_a_restarted_tier_restores_the_exact_rows(tmp_path: Path) -> None:
 def test_a_spill_not_yet_written_is_restorable(tmp_path: Path) -> None:
     """Rows handed to a held writer come back from memory, copied when spilled (not read later)."""
     writing, release = threading.Event(), threading.Event()
-    tier = held_tier(tmp_path, make_pool(), writing, release)
-    pool = tier._kv_cache
+    pool = make_pool()
+    tier = held_tier(tmp_path, pool, writing, release)
     expected = block_rows(pool, 2).clone()
     tier.spill(key(0), 2)
     block_rows(pool, 2).zero_()  # the block is reused after the spill
@@ -86,17 +86,18 @@ def test_a_bad_file_is_refused_counted_and_removed(tmp_path: Path, damage: str) 
         path.write_bytes(data)
     elif damage == "truncate":
         path.write_bytes(data[:-10])
-    other = make_tier(tmp_path, make_pool(seed=2), build_id="build-b" if damage == "foreign" else "build-a")
+    theirs = make_pool(seed=2)
+    other = make_tier(tmp_path, theirs, build_id="build-b" if damage == "foreign" else "build-a")
     if damage == "foreign":  # build-a's block put where build-b would look for the same key
         assert not other.contains(key(0))
         path.rename(tmp_path / other.file_name(key(0)))
         other.close()
-        other = make_tier(tmp_path, make_pool(seed=2), build_id="build-b")
+        other = make_tier(tmp_path, theirs, build_id="build-b")
         path = tmp_path / other.file_name(key(0))
-    before = block_rows(other._kv_cache, 4).clone()
+    before = block_rows(theirs, 4).clone()
     assert other.contains(key(0))
     assert not other.restore(key(0), 4)
-    assert torch.equal(block_rows(other._kv_cache, 4), before)
+    assert torch.equal(block_rows(theirs, 4), before)
     assert other.usage().rejected_files == 1 and other.usage().hit_tokens == 0
     assert not path.exists() and not other.contains(key(0))
     other.close()
