@@ -7,7 +7,8 @@ gate/up rows `gate_up` (expert e: [2 * intermediate, hidden], gate rows first) a
 [hidden, intermediate]); returns [rows, hidden]. Shapes are static in the exported graph: however
 the rows route, the op takes and returns the same shapes.
 
-Each stacked weight is dense (`format` "fp32": float32 [E, n, k]) or block tiles (a block
+Each stacked weight is dense (`format` "fp32": float32 [E, n, k], or bfloat16/float16 in a 16-bit
+engine, widened weight by weight) or block tiles (a block
 WeightFormat's value: uint8 [E, *quant_linear.packed_shape(fmt, n, k)], each expert packed by
 `quant_ops.pack` for compute fp32 or `pack_int8` for compute int8). The kernel
 (csrc/grouped_experts.cpp) groups the rows by expert, reads each selected expert's weights once for

@@ -18,6 +18,9 @@
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -30,11 +33,13 @@
 namespace ifb_quant {
 namespace {
 
-constexpr const char* kDense = "fp32";  // quant_formats.py's WeightFormat.FP32: a float32 [E, n, k] tensor
+constexpr const char* kDense = "fp32";  // quant_formats.py's WeightFormat.FP32: a float tensor [E, n, k]
 
-// A stacked expert weight: dense float32 [E, n, k], or per-expert packed tiles uint8 [E, tiles, bytes].
+// A stacked expert weight: dense [E, n, k] (float32, or a 16-bit engine's bfloat16/float16, each
+// weight widened exactly), or per-expert packed tiles uint8 [E, tiles, bytes].
 struct ExpertWeights {
   bool dense;
+  at::ScalarType dense_type;
   Format format;  // block formats only
   const uint8_t* data;
   int64_t expert_bytes;  // bytes of one expert's weights
@@ -47,9 +52,11 @@ ExpertWeights expert_weights(const at::Tensor& w, c10::string_view format_name, 
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() >= 1 && w.size(0) == num_experts,
               "ifb_quant: ", what, " must be a contiguous CPU tensor with ", num_experts, " experts, got ", w.sizes());
   if (format_name == kDense) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(1) == n && w.size(2) == k, "ifb_quant: dense ",
-                what, " must be float32 [", num_experts, ", ", n, ", ", k, "], got ", w.scalar_type(), " ", w.sizes());
-    return {true, Format{}, static_cast<const uint8_t*>(w.const_data_ptr()), n * k * 4, n, k};
+    const at::ScalarType type = w.scalar_type();
+    const bool floating = type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+    TORCH_CHECK(floating && w.dim() == 3 && w.size(1) == n && w.size(2) == k, "ifb_quant: dense ", what,
+                " must be float32, bfloat16 or float16 [", num_experts, ", ", n, ", ", k, "], got ", type, " ", w.sizes());
+    return {true, type, Format{}, static_cast<const uint8_t*>(w.const_data_ptr()), n * k * w.element_size(), n, k};
   }
   Format format{};
   bool known = false;
@@ -62,14 +69,17 @@ ExpertWeights expert_weights(const at::Tensor& w, c10::string_view format_name, 
   const int64_t bytes = num_tiles(n) * (k / weights) * kTileColumns * block_bytes(format);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.numel() == num_experts * bytes, "ifb_quant: packed ", what, " holds ",
               w.numel(), " bytes, expected ", num_experts, " x ", bytes);
-  return {false, format, w.const_data_ptr<uint8_t>(), bytes, n, k};
+  return {false, at::kByte, format, w.const_data_ptr<uint8_t>(), bytes, n, k};
 }
 
-// Output columns [begin, end) of y[m, n] = x[m, k] @ W^T for a dense W [n, k]: one serial chain each.
-void dense_columns(const float* x, int64_t m, const float* w, int64_t n, int64_t k, float* y, int64_t begin,
+// Output columns [begin, end) of y[m, n] = x[m, k] @ W^T for a dense W [n, k]: one serial chain
+// each, fp32, every weight widened exactly (a 16-bit row is widened once for all m rows).
+template <typename T>
+void dense_columns(const float* x, int64_t m, const T* w, int64_t n, int64_t k, float* y, int64_t begin,
                    int64_t end) {
+  std::vector<float> row(static_cast<size_t>(k));
   for (int64_t j = begin; j < end; ++j) {
-    const float* row = w + j * k;
+    for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(w[j * k + i]);
     for (int64_t r = 0; r < m; ++r) {
       const float* xr = x + r * k;
       float acc = 0.0f;
@@ -79,14 +89,24 @@ void dense_columns(const float* x, int64_t m, const float* w, int64_t n, int64_t
   }
 }
 
+template <typename T>
+void dense_matmul(const uint8_t* weights, const float* x, int64_t m, int64_t n, int64_t k, float* y) {
+  const T* dense = reinterpret_cast<const T*>(weights);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, m * k));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { dense_columns(x, m, dense, n, k, y, begin, end); });
+}
+
 // y[m, n] = x[m, k] @ W_e^T for expert e, by the weights' own kernel (int8: x quantized per row).
 void expert_matmul(const ExpertWeights& w, int64_t expert, bool int8, const float* x, int64_t m, float* y) {
   const uint8_t* weights = w.data + expert * w.expert_bytes;
   const int64_t n = w.n, k = w.k;
   if (w.dense) {
-    const float* dense = reinterpret_cast<const float*>(weights);
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, m * k));
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { dense_columns(x, m, dense, n, k, y, begin, end); });
+    if (w.dense_type == at::kBFloat16)
+      dense_matmul<c10::BFloat16>(weights, x, m, n, k, y);
+    else if (w.dense_type == at::kHalf)
+      dense_matmul<c10::Half>(weights, x, m, n, k, y);
+    else
+      dense_matmul<float>(weights, x, m, n, k, y);
     return;
   }
   const int64_t tiles = num_tiles(n);

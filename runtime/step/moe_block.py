@@ -59,11 +59,17 @@ class MoeBlock(nn.Module):
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         top_weights = top_weights.to(x.dtype).float()  # transformers rounds them to the model dtype
-        # The op multiplies fp32: dense experts of a 16-bit engine are widened here (block ones are bytes)
-        gate_up = self.experts_gate_up if self.formats[0].is_block else self.experts_gate_up.float()
-        down = self.experts_down if self.formats[1].is_block else self.experts_down.float()
+        # The op multiplies fp32 activations: a 16-bit engine's dense experts are widened weight by
+        # weight inside it, never copied whole
         y = grouped_experts(
-            x.float(), top_ids, top_weights, gate_up, down, self.formats, self.compute, self.intermediate_size
+            x.float(),
+            top_ids,
+            top_weights,
+            self.experts_gate_up,
+            self.experts_down,
+            self.formats,
+            self.compute,
+            self.intermediate_size,
         )
         return y.to(x.dtype)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_cases import random_x
+from quant_cases import random_blocks, random_x
 
 from ifb.plugins import quant_ops
 from ifb.plugins.grouped_experts import grouped_experts, reference_grouped_experts
@@ -20,15 +20,17 @@ from ifb.plugins.quant_formats import WeightCompute, WeightFormat, dequantize, q
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 64, 6, 2
 DENSE = WeightFormat.FP32
-# (weight format, compute mode): every compute mode each weight path has
+# (weight format, compute mode): every compute mode each weight path has; None: dense bfloat16
+# (a 16-bit engine's dense experts, widened exactly inside the op)
 CASES = [
     (DENSE, WeightCompute.FP32),
+    (None, WeightCompute.FP32),
     (WeightFormat.Q8_0, WeightCompute.FP32),
     (WeightFormat.Q8_0, WeightCompute.INT8),
     (WeightFormat.Q4_0, WeightCompute.FP32),
     (WeightFormat.Q4_0, WeightCompute.INT8),
 ]
-IDS = [f"{fmt.value}-{compute.value}" for fmt, compute in CASES]
+IDS = [f"{fmt.value if fmt else 'bf16'}-{compute.value}" for fmt, compute in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +43,15 @@ def library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
 class Experts:
     """Random stacked experts as the op takes them, and the exact fp32 weights the kernel reads."""
 
-    def __init__(self, fmt: WeightFormat, compute: WeightCompute, seed: int = 0) -> None:
+    def __init__(self, fmt: WeightFormat | None, compute: WeightCompute, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         gate_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) * HIDDEN**-0.5
         down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * INTERMEDIATE**-0.5
-        self.fmt, self.compute = fmt, compute
+        self.fmt, self.compute = fmt or DENSE, compute
+        if fmt is None:
+            self.gate_up, self.down = gate_up.bfloat16().contiguous(), down.bfloat16().contiguous()
+            self.exact = (self.gate_up.float(), self.down.float())
+            return
         if fmt is DENSE:
             self.gate_up, self.down = gate_up.contiguous(), down.contiguous()
             self.exact = (gate_up, down)
@@ -82,7 +88,7 @@ def routing(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_the_op_is_the_per_row_per_expert_definition(
-    library: QuantLibrary, fmt: WeightFormat, compute: WeightCompute
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     """Against float64 on the kernel's exact weights: fp32 rounding only (dense, block fp32), or
     the int8 activations' quantization (~1% of the output's scale)."""
@@ -97,7 +103,7 @@ def test_the_op_is_the_per_row_per_expert_definition(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_a_rows_bits_are_the_same_alone_and_in_any_batch(
-    library: QuantLibrary, fmt: WeightFormat, compute: WeightCompute
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     experts = Experts(fmt, compute, seed=1)
     x = random_x(21, HIDDEN, seed=5)
@@ -111,14 +117,16 @@ def test_a_rows_bits_are_the_same_alone_and_in_any_batch(
 
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
-def test_experts_no_row_selects_are_not_read(library: QuantLibrary, fmt: WeightFormat, compute: WeightCompute) -> None:
+def test_experts_no_row_selects_are_not_read(
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+) -> None:
     """Rows routed to experts 0-2 only: experts 3-5 hold NaN (dense) or NaN scales (blocks), and the
     output is finite and the rows' own."""
     experts = Experts(fmt, compute, seed=2)
     x = random_x(9, HIDDEN, seed=7)
     ids, weights = routing(9, seed=8, experts=(0, 1, 2))
     clean = experts(x, ids, weights)
-    if fmt is DENSE:
+    if fmt is DENSE or fmt is None:
         experts.gate_up[3:] = float("nan")
         experts.down[3:] = float("nan")
     else:  # every byte 0xFF: every fp16 scale field is a NaN
@@ -134,7 +142,7 @@ def test_experts_no_row_selects_are_not_read(library: QuantLibrary, fmt: WeightF
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_every_row_on_the_same_expert_is_each_row_alone(
-    library: QuantLibrary, fmt: WeightFormat, compute: WeightCompute
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     experts = Experts(fmt, compute, seed=3)
     rows = 17
@@ -156,3 +164,29 @@ def test_an_expert_id_outside_the_experts_is_refused(library: QuantLibrary) -> N
     ids[1, 0] = EXPERTS
     with pytest.raises(RuntimeError, match=f"expert id {EXPERTS} of row 1 is outside"):
         experts(x, ids, weights)
+
+
+@pytest.mark.parametrize("compute", [WeightCompute.FP32, WeightCompute.INT8], ids=["fp32", "int8"])
+def test_k_quant_experts_of_two_formats(library: QuantLibrary, compute: WeightCompute) -> None:
+    """Q4_K_M's expert layout: gate/up Q4_K, down Q6_K (256-weight super-blocks, so 256 wide):
+    the definition on the blocks' exact weights, and each row's bits alone as in the batch."""
+    width, experts = 256, 3
+    packer = quant_ops.pack_int8 if compute is WeightCompute.INT8 else quant_ops.pack
+    stacked, exact = [], []
+    for index, (fmt, n, k) in enumerate(((WeightFormat.Q4_K, 2 * width, width), (WeightFormat.Q6_K, width, width))):
+        blocks = [random_blocks(n, k, fmt, seed=10 * index + e) for e in range(experts)]
+        stacked.append(torch.stack([packer(b, fmt, n, k) for b in blocks]).contiguous())
+        exact.append(torch.stack([dequantize(b, fmt).reshape(n, k) for b in blocks]))
+    x = random_x(7, width, seed=13)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0], [1, 2], [0, 2]], dtype=torch.int64)
+    weights = torch.softmax(torch.randn(7, 2, generator=torch.Generator().manual_seed(14)), dim=-1)
+    formats = (WeightFormat.Q4_K, WeightFormat.Q6_K)
+    ours = grouped_experts(x, ids, weights, stacked[0], stacked[1], formats, compute, width)
+    expected = reference_grouped_experts(x, ids, weights, exact[0], exact[1], width)
+    error = (ours.double() - expected).abs().max().item() / expected.abs().max().item()
+    assert error < (2e-2 if compute is WeightCompute.INT8 else 1e-5), error
+    for row in range(7):
+        alone = grouped_experts(
+            x[row : row + 1], ids[row : row + 1], weights[row : row + 1], *stacked, formats, compute, width
+        )
+        assert torch.equal(alone[0], ours[row]), row
