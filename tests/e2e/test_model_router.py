@@ -5,6 +5,7 @@ of one loaded model swaps them, an unknown model is a 404 naming it, and idle mo
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,8 +18,11 @@ from server_harness import free_port
 from waiting import wait_until
 
 from ifb import LLM
+from ifb.cli.many_models import router_app
 from ifb.cli.run_command import make_router, run
+from ifb.runtime.runtime_config import RouterSettings, ServerSettings
 from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.server.model_pool import NoRoomError
 from ifb.runtime.server.model_router import ModelRouter
 
 LLAMA, QWEN = "tiny-llama-fp32", "tiny-qwen2-fp32"  # the engines' folder names: their served names
@@ -172,3 +176,35 @@ def test_models_dir_names_models_by_folder_and_stem(
     context = run.make_context("run", ["--models-dir", str(tmp_path)])
     router = make_router(context.params["targets"], context.params)
     assert router.pool.names == ("llama", "qwen", "small")
+
+
+def test_a_model_that_cannot_fit_is_refused_and_one_load_serves_every_waiter(
+    tiny_llama_engine: Path, tiny_qwen2_engine: Path
+) -> None:
+    """With one model loaded and busy (a request in flight), a request for another is refused
+    with the reason (the router's 503), nothing unloaded; once it is idle the other loads in its
+    place. Two requests arriving for an unloaded model share one load."""
+    loads: list[str] = []
+
+    def load(target: str) -> LLM:
+        loads.append(Path(target).name)
+        return LLM(target)
+
+    targets = (str(tiny_llama_engine), str(tiny_qwen2_engine))
+    pool = router_app(targets, RouterSettings(max_loaded_models=1), ServerSettings(), load).pool
+
+    async def scenario() -> None:
+        first, second = await asyncio.gather(pool.acquire(LLAMA), pool.acquire(LLAMA))  # both in flight
+        assert first is second and loads == [LLAMA]
+        pool.release(LLAMA)
+        with pytest.raises(NoRoomError, match=f"cannot load model '{QWEN}'.*max_loaded_models.* is 1"):
+            await pool.acquire(QWEN)
+        assert pool.status(LLAMA)["state"] == "loaded" and pool.status(QWEN)["state"] == "unloaded"
+        pool.release(LLAMA)  # now idle: the next request for the other model takes its place
+        await pool.acquire(QWEN)
+        assert (pool.status(LLAMA)["state"], pool.status(QWEN)["state"]) == ("unloaded", "loaded")
+        assert loads == [LLAMA, QWEN]
+        pool.release(QWEN)
+        await pool.close()
+
+    asyncio.run(scenario())
