@@ -191,7 +191,8 @@ def test_a_model_that_cannot_fit_is_refused_and_one_load_serves_every_waiter(
         return LLM(target)
 
     targets = (str(tiny_llama_engine), str(tiny_qwen2_engine))
-    pool = router_app(targets, RouterSettings(max_loaded_models=1), ServerSettings(), load).pool
+    router = router_app(targets, RouterSettings(max_loaded_models=1), ServerSettings(), load)
+    pool = router.pool
 
     async def scenario() -> None:
         first, second = await asyncio.gather(pool.acquire(LLAMA), pool.acquire(LLAMA))  # both in flight
@@ -199,6 +200,11 @@ def test_a_model_that_cannot_fit_is_refused_and_one_load_serves_every_waiter(
         pool.release(LLAMA)
         with pytest.raises(NoRoomError, match=f"cannot load model '{QWEN}'.*max_loaded_models.* is 1"):
             await pool.acquire(QWEN)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://router") as client:
+            body = {"model": QWEN, "prompt": PROMPT, "max_tokens": 2}
+            refused = await client.post("/v1/completions", json=body)
+        assert refused.status_code == 503
+        assert "no loaded model is idle to unload" in refused.json()["error"]["message"]
         assert pool.status(LLAMA)["state"] == "loaded" and pool.status(QWEN)["state"] == "unloaded"
         pool.release(LLAMA)  # now idle: the next request for the other model takes its place
         await pool.acquire(QWEN)
