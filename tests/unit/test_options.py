@@ -26,8 +26,8 @@ from ifb.runtime.runtime_config import (
     check_minimums,
 )
 
-# `ifb run` only: the one-shot prompt; a replica's threads are serve's --threads (an alias of
-# --threads-per-replica).
+# `ifb run` only: the one-shot prompt, the several-models router's flags (serve does not route by
+# model); a replica's threads are serve's --threads (an alias of --threads-per-replica).
 RUN_ONLY = {"prompt", "max_tokens", "temperature", "threads", "models_dir", "max_loaded_models", "idle_unload_s"}
 
 
