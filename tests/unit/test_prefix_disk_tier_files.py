@@ -16,6 +16,7 @@ from ifb.runtime.kv_cache_manager import KVCacheManager
 from ifb.runtime.prefix_disk_tier import PrefixDiskTier, PrefixDiskTierConfig, _Spill, make_block_tier
 from ifb.runtime.prefix_hash import prefix_block_keys
 from ifb.runtime.runtime_config import RuntimeSettings, prefix_disk_tier_config
+from ifb.runtime.windowed_kv_cache_manager import SlidingWindowBlocks, WindowedKVCacheManager
 
 BLOCK = 4
 NUM_BLOCKS = 8
@@ -213,17 +214,19 @@ def test_a_restore_never_evicts_the_chain_it_extends(tmp_path: Path) -> None:
     kv.admit(later, hits)
     kv.check_integrity([later])
     kv.free(later)
-    squeezed = KVCacheManager(4, BLOCK)
+    squeezed = KVCacheManager(4, BLOCK)  # the chain's RAM blocks at the free list's head: restores take the head
     squeezed.attach_tier(kv.tier)
-    first = make_request(0, 1, prompt=prompt[: 2 * BLOCK])
-    squeezed.admit(first, [])
-    assert squeezed.allocate(first, 2 * BLOCK)
+    first, other = make_request(0, 1, prompt=prompt[: 2 * BLOCK]), make_request(2 * BLOCK, 1)
+    for request in (first, other):
+        squeezed.admit(request, [])
+        assert squeezed.allocate(request, 2 * BLOCK)
     first.num_computed_tokens = 2 * BLOCK
     squeezed.publish(first)
     held = list(first.block_ids)
     squeezed.free(first)
+    squeezed.free(other)
     hits = squeezed.match_prefix(make_request(0, 1, prompt=prompt))
-    assert hits[:2] == held and len(hits) == 4  # room for 2 restores
+    assert hits[:2] == held and len(hits) == 4  # room for 2 restores, into the other request's blocks
     squeezed.check_integrity([])
     kv.tier.close()
 
@@ -268,3 +271,32 @@ def test_an_unusable_directory_is_refused_by_name(tmp_path: Path) -> None:
     config = PrefixDiskTierConfig(tmp_path / "file" / "tier", GB)
     with pytest.raises(LimitExceededError, match=r"--prefix-cache-dir \(prefix_cache_dir\) .*file/tier"):
         make_block_tier(config, "build-a", make_pool(), BLOCK)
+
+
+def test_a_windowed_manager_restores_through_the_tier_too(tmp_path: Path) -> None:
+    """Every layer slides (window 6): the restored chain's slid-out entries are the null block,
+    its live ones the restored blocks with the rows that were spilled, and the pool stays sound."""
+    pool = torch.randn((2, 2, 9 * BLOCK, 3, 5))
+    kv = WindowedKVCacheManager(9, SlidingWindowBlocks(window=6, block_size=BLOCK, max_num_tokens=32))
+    kv.attach_tier(make_tier(tmp_path, pool))
+    prompt = list(range(60, 60 + 4 * BLOCK + 1))
+    first = make_request(0, 1, prompt=prompt)
+    kv.admit(first, [])
+    assert kv.allocate(first, len(prompt))
+    live = [block_rows(pool, b).clone() for b in first.block_ids[2:4]]
+    first.num_computed_tokens = len(prompt)
+    kv.advance(first)
+    kv.free(first)
+    filler = make_request(8 * BLOCK, 1)
+    kv.admit(filler, [])
+    assert kv.allocate(filler, 8 * BLOCK) and kv.num_cached_blocks == 0
+    pool.zero_()  # the filler's own K/V: what comes back must come from the tier
+    kv.free(filler)
+    second = make_request(0, 1, prompt=prompt)
+    hits = kv.match_prefix(second)
+    assert hits[:2] == [kv.null_block_id] * 2 and len(hits) == 4
+    for block_id, rows in zip(hits[2:], live, strict=True):
+        assert torch.equal(block_rows(pool, block_id), rows)
+    kv.admit(second, hits)
+    kv.check_integrity([second])
+    kv.close()
