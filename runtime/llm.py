@@ -42,6 +42,9 @@ from ifb.runtime.step_budget.cost_model import StepCostModel
 from ifb.runtime.trace import TraceRecorder
 from ifb.runtime.windowed_kv_cache_manager import make_kv_cache_manager
 
+# The engines loaded in this process whose objects gc.freeze() keeps out of the collector's reach
+_FROZEN: weakref.WeakSet[LLM] = weakref.WeakSet()
+
 
 class LLM(FrontendClient):
     def __init__(self, engine: str | Path, settings: RuntimeSettings | None = None, **overrides: Any) -> None:
@@ -116,6 +119,7 @@ class LLM(FrontendClient):
         # engine in 120 ms, holding the GIL the step loop needs between steps (an inter-token stall).
         gc.collect()
         gc.freeze()
+        _FROZEN.add(self)
         return engine
 
     @property
@@ -231,7 +235,11 @@ class LLM(FrontendClient):
             self._trace.write(Path(self.settings.trace))
             self._trace = None  # written once, however often close is called
         super().close()
+        _FROZEN.discard(self)
         gc.unfreeze()  # what this engine held can be collected again (and is, at exit: no leak reports)
+        if _FROZEN:  # other engines serve on (the model router unloads one of several): theirs stays frozen
+            gc.collect()
+            gc.freeze()
 
     def __enter__(self) -> LLM:
         return self

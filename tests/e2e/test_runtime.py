@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from greedy_loop import greedy_generate
 from waiting import StepGate, wait_until
 
 from ifb import LLM, SamplingParams
+from ifb.runtime import llm as llm_module
 from ifb.runtime.errors import AdmissionError, QueueFullError
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason
@@ -344,3 +346,20 @@ def test_each_replica_traces_to_its_own_file() -> None:
 
     assert replica_settings(RuntimeSettings(), "r1").trace is None
     assert replica_settings(RuntimeSettings(trace="/tmp/run/steps.json"), "abc").trace == "/tmp/run/steps-abc.json"
+
+
+def test_closing_one_engine_keeps_the_others_frozen(tiny_llama_engine: Path) -> None:
+    """A loaded engine's objects are frozen out of the cyclic collector (a full collection of a 1B
+    engine held the GIL 120 ms, runtime/llm.py); closing one of two (the model router unloading
+    one) must not unfreeze what the other still serves with, and closing the last unfreezes all."""
+    first, second = LLM(tiny_llama_engine), LLM(tiny_llama_engine)
+    try:
+        assert gc.get_freeze_count() > 0
+        first.close()
+        assert gc.get_freeze_count() > 0
+        assert second.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids
+    finally:
+        first.close()
+        second.close()
+    if not llm_module._FROZEN:  # no other test's engine is still open
+        assert gc.get_freeze_count() == 0
