@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 
 from ifb.builder import build as builder_build
 from ifb.builder.build import BuildOptions, build_engine
-from ifb.builder.errors import UnsupportedModelError
+from ifb.builder.errors import BuildError, UnsupportedModelError
 from ifb.builder.families import FAMILIES
 from ifb.builder.gguf_metadata import refuse_unread_keys
 from ifb.builder.hf_config import model_spec_from_hf_config
@@ -342,3 +342,10 @@ def test_the_engine_ignoring_norm_topk_prob_fails_the_check(folder: Path, engine
         assert isinstance(layer.mlp, MoeBlock)
         layer.mlp.norm_topk_prob = False
     assert logit_error(eager, hf, text) >= MARGIN * TOLERANCE
+
+
+def test_dense_experts_in_a_16_bit_engine_are_refused_naming_the_fix(folder: Path, tmp_path: Path) -> None:
+    """A bf16 build compiled to logits 3-4 x std away from its own eager network: refused, not built."""
+    options = BuildOptions(dtype="bfloat16", **TINY_LIMITS)
+    with pytest.raises(BuildError, match=r"dense experts .* builds only in float32 for now: pass --dtype float32"):
+        build_engine(folder, tmp_path / "bf16", options)
