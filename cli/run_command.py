@@ -136,7 +136,13 @@ def make_router(targets: tuple[str, ...], params: Mapping[str, Any]) -> ModelRou
 
     check_many_models(targets, params)
     settings, server = runtime_settings(params), server_settings(params)
-    return router_app(targets, router_settings(params), server, lambda target: _load_llm(target, params, settings))
+
+    def load(target: str) -> LLM:
+        llm = _load_llm(target, params, settings)
+        llm.start_guided_workers()  # as the one-model server: warm before its first guided request
+        return llm
+
+    return router_app(targets, router_settings(params), server, load)
 
 
 def _serve_many(app: ModelRouter, server: ServerSettings, log_level: str) -> None:
