@@ -42,7 +42,7 @@ class GuardMiddleware:
                 message = f"request body exceeds the limit of {self.max_body_bytes} bytes"
                 await _refusal(scope["path"], 413, message)(scope, receive, send)
                 return
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
         await self.app(scope, receive, send)
 
     async def _read_body(self, receive: Any) -> bytes | None:
@@ -69,7 +69,7 @@ def _refusal(path: str, status: int, message: str) -> Any:
     return error_response(status, message)
 
 
-def _replay(body: bytes, receive: Any) -> Any:
+def replay_body(body: bytes, receive: Any) -> Any:
     """A receive that hands the app the buffered body once, then the real channel (so the app
     still sees a disconnect while it streams)."""
     sent = False

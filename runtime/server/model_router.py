@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ifb import __version__
 from ifb.runtime.server.anthropic_messages import MESSAGES_PATH, anthropic_error
 from ifb.runtime.server.errors import error_response
-from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware
+from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware, replay_body
 from ifb.runtime.server.model_pool import LoadedModel, ModelLoadError, ModelPool, ModelSpec, ModelState, NoRoomError
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class ModelRouter:
             await _refusal(path, 503, str(error))(scope, receive, send)
             return
         try:
-            await app(scope, _replay(body, receive), send)
+            await app(scope, replay_body(body, receive), send)
         finally:
             self.pool.release(named)
 
@@ -197,21 +197,6 @@ async def _read_body(receive: Any) -> bytes:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """A receive handing the model's app the body once, then the real channel (so it still sees a
-    disconnect while it streams)."""
-    sent = False
-
-    async def replayed() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
 
 
 __all__ = ["ModelRouter", "ModelSpec", "ModelState", "create_router_app"]
