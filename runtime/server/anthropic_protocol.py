@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.sampling_params import MAX_STOP_STRINGS, MAX_TOP_K
-from ifb.runtime.server.openai_protocol import ChatCompletionRequest
+from ifb.runtime.server.openai_protocol import ChatCompletionRequest, chat_request_from
 
 
 class _Strict(BaseModel):
@@ -149,7 +149,7 @@ class CountTokensRequest(_Strict):
 
     def chat_request(self) -> ChatCompletionRequest:
         """The OpenAI chat request this body means (AdmissionError names the Anthropic field)."""
-        return _validated(self._chat_fields())
+        return chat_request_from(self._chat_fields())
 
     def _chat_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"model": self.model, "messages": self._chat_messages()}
@@ -210,16 +210,7 @@ class MessagesRequest(CountTokensRequest):
             top_p=self.top_p,
             top_k=self.top_k,
         )
-        return _validated(fields)
-
-
-def _validated(fields: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as error:  # the Anthropic models check first; this names what slipped through
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        raise AdmissionError(f"{where}: {first.get('msg', 'invalid value')}", field=where or None) from None
+        return chat_request_from(fields)
 
 
 def _block(part: dict[str, Any], field: str, allowed: set[str]) -> Block:

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from ifb.runtime.errors import AdmissionError
 from ifb.runtime.guided import GuidedDecoding
@@ -307,3 +307,17 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[StrictInt] = Field(max_length=1 << 20)
+
+
+def chat_request_from(fields: dict[str, Any], field_names: dict[str, str] | None = None) -> ChatCompletionRequest:
+    """The chat request another API's body translates into (Anthropic's messages, OpenAI's
+    responses). Their own models check first; what slips through is an AdmissionError naming the
+    field, in the caller's vocabulary (`field_names`: chat field -> the API's name for it)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        for chat_name, own_name in (field_names or {}).items():
+            where = where.replace(chat_name, own_name)
+        raise AdmissionError(f"{where}: {first.get('msg', 'invalid value')}", field=where or None) from None

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ifb.runtime.errors import AdmissionError
-from ifb.runtime.server.openai_protocol import ChatCompletionRequest
+from ifb.runtime.server.openai_protocol import ChatCompletionRequest, chat_request_from
 
 
 class _Strict(BaseModel):
@@ -150,7 +150,7 @@ class ResponsesRequest(_Strict):
             fields["response_format"] = _response_format(format_)
         if self.reasoning is not None and self.reasoning.effort == "none":
             fields["chat_template_kwargs"] = {"enable_thinking": False}
-        return _validated(fields)
+        return chat_request_from(fields, {"max_tokens": "max_output_tokens"})
 
 
 def chat_messages(items: list[dict[str, Any]], field: str) -> list[dict[str, Any]]:
@@ -250,13 +250,3 @@ def _response_format(format_: TextFormat) -> dict[str, Any]:
         raise AdmissionError("text.format json_schema needs name and schema", field="text.format")
     schema = {"name": format_.name, "schema": format_.schema_, "strict": format_.strict}
     return {"type": "json_schema", "json_schema": schema}
-
-
-def _validated(fields: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as error:  # the Responses models check first; this names what slipped through
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        where = where.replace("max_tokens", "max_output_tokens")
-        raise AdmissionError(f"{where}: {first.get('msg', 'invalid value')}", field=where or None) from None
