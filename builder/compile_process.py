@@ -27,9 +27,9 @@ from ifb.builder.build_clock import peak_rss_bytes
 from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.errors import BuildError
 from ifb.builder.network_recipe import NetworkRecipe
-from ifb.runtime.engine_format import BackendKind, EngineLimits, kv_pool_shape
+from ifb.runtime.engine_format import BackendKind, EngineLimits
 from ifb.runtime.parent_watch import exit_with_parent
-from ifb.runtime.step.kv_pool import zeroed_pool
+from ifb.runtime.step.kv_pool import engine_kv_pool
 
 
 def compile_in_child_process(
@@ -78,7 +78,7 @@ def _compile(
     network = recipe.load(weights_path)
     # The export's sample pools carry the pool dtype into the compiled step's input signature;
     # export never writes them, so they take no resident memory (kv_pool.py).
-    kv_cache = zeroed_pool(kv_pool_shape(recipe.spec, limits), getattr(torch, kv_dtype))
+    kv_cache = engine_kv_pool(recipe.spec, limits, kv_dtype)
     compiled = compiler_for(backend).compile(network, limits, kv_cache, folder, ArtifactCache(reuse=reuse))
     return compiled, peak_rss_bytes()
 

@@ -8,14 +8,17 @@ from ifb.builder.errors import BuildError, LimitsError
 from ifb.runtime.engine_format import (
     DTYPE_ALIASES,
     DTYPE_BYTES,
+    KV_Q8_0,
     BackendKind,
     EngineLimits,
     ModelSpec,
     kv_bytes_per_block,
+    kv_format_error,
 )
 
 DTYPES = ("bfloat16", "float32")  # the CPU backend's; the tensorrt backend adds float16
-KV_DTYPE_CHOICES = ("auto", *DTYPE_ALIASES)  # `--kv-dtype`: auto = the engine's dtype
+# `--kv-dtype`: auto = the engine's dtype; q8_0 = int8 values with an fp16 scale per 32 (engine_format.limits)
+KV_DTYPE_CHOICES = ("auto", *DTYPE_ALIASES, KV_Q8_0)
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -55,9 +58,10 @@ def check_kv_dtype_option(kv_dtype: str, backend: BackendKind) -> None:
 
 def resolve_kv_dtype(kv_dtype: str, dtype: str) -> str:
     """The KV pool's dtype for an engine computing in `dtype`: `auto` is `dtype`; a dtype wider
-    than the step's is refused (it would store bits the step never computed)."""
-    if kv_dtype == "auto":
-        return dtype
+    than the step's is refused (it would store bits the step never computed); q8_0 is narrower
+    than every dtype."""
+    if kv_dtype in ("auto", KV_Q8_0):
+        return dtype if kv_dtype == "auto" else KV_Q8_0
     resolved = DTYPE_ALIASES[kv_dtype]
     if DTYPE_BYTES[resolved] > DTYPE_BYTES[dtype]:
         raise LimitsError(
@@ -84,7 +88,8 @@ def resolve_limits(
     kv_memory_gb: float | None = None,
 ) -> EngineLimits:
     """Check every requested limit against the model and each other; size the KV pool
-    (`kv_memory_gb` in blocks of `kv_dtype`: an fp16 pool holds twice an fp32 one's blocks)."""
+    (`kv_memory_gb` in blocks of `kv_dtype`: an fp16 pool holds twice an fp32 one's blocks, a
+    q8_0 one 1.88x an fp16 one's at head_dim 64)."""
     for name, value in [
         ("max_batch_size", max_batch_size),
         ("max_num_tokens", max_num_tokens),
@@ -92,6 +97,8 @@ def resolve_limits(
         ("block_size", block_size),
     ]:
         _positive(name, value)
+    if (error := kv_format_error(spec.head_dim, kv_dtype)) is not None:
+        raise LimitsError(error)
     if block_size & (block_size - 1):
         raise LimitsError(f"block_size must be a power of two, got {block_size}")
     if max_seq_len > spec.max_position_embeddings:

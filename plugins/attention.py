@@ -5,8 +5,9 @@ context path (requests with several query tokens) runs SDPA with each request's 
 to the longest chunk, and the decode path (one query token each) carries no padding at all and
 is written so the compiler fuses the gather. With it (block-quantized engines) both paths run
 the C++ kernel row by row, so a token's attention never depends on the step around it.
-The pools may be narrower than the step (`ifb build --kv-dtype fp16`): K/V are rounded to the
-pool's dtype when written and read back in fp32.
+The pools may be narrower than the step (`ifb build --kv-dtype fp16`, or q8_0 rows of int8 and
+per-32 scales, `kv_format.py`): K/V are rounded to the pool's format when written and read back
+in fp32 (the torch paths dequantize the blocks they gather, the kernel as it loads each row).
 
 `window` (Mistral's and Phi-3's sliding window, `ModelSpec.sliding_window`): a query at position
 i attends to key positions p with i - window < p <= i, as transformers' sliding_window_overlay
@@ -22,24 +23,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ifb.plugins.kv_format import decode, encode
 from ifb.plugins.layout import AttentionLayout
 
 
 def write_kv(
     k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store each token's K/V at its slot, in place, in the pools' dtype. Pools are
-    [num_slots, kv_heads, head_dim]."""
-    k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, slot_mapping, v.to(v_pool.dtype))
+    """Store each token's K/V at its slot, in place, in the pools' format. Pools are
+    [num_slots, kv_heads, row] (row = head_dim values, or a q8_0 row of bytes)."""
+    k_pool.index_copy_(0, slot_mapping, encode(k_pool, k))
+    v_pool.index_copy_(0, slot_mapping, encode(v_pool, v))
 
 
 def _gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[num_slots, KVH, D] x [N, M] -> [N, M * block_size, KVH, D]."""
+    """[num_slots, KVH, row] x [N, M] -> values [N, M * block_size, KVH, head_dim] (q8_0 dequantized)."""
     blocks = pool.reshape(-1, block_size, pool.shape[1], pool.shape[2])
     gathered = blocks[block_tables]
     length = block_tables.shape[1] * block_size
-    return gathered.reshape(block_tables.shape[0], length, pool.shape[1], pool.shape[2])
+    return decode(gathered.reshape(block_tables.shape[0], length, pool.shape[1], pool.shape[2]))
 
 
 def _grouped_attention(
@@ -208,7 +210,7 @@ def paged_attention(
     """Causal attention of every packed query over its own request's blocks (over its last
     `window` keys only, with a sliding window; scores capped by `softcap`).
 
-    q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
+    q [T, H, D]; pools [num_slots, KVH, row]; returns [T, H, D].
     """
     out = torch.zeros_like(q)
     _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale, window, softcap)

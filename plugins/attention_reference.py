@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import torch
 
+from ifb.plugins.kv_format import decode, encode
 from ifb.plugins.layout import AttentionLayout
 
 
 def write_kv_reference(
     k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store each token's K/V at its slot, rounded to the pools' dtype. Pools are
-    [num_slots, kv_heads, head_dim]."""
+    """Store each token's K/V at its slot, rounded to the pools' format (a q8_0 row per head,
+    `kv_format.py`). Pools are [num_slots, kv_heads, row]."""
     for row, slot in enumerate(slot_mapping.tolist()):
-        k_pool[slot] = k[row].to(k_pool.dtype)
-        v_pool[slot] = v[row].to(v_pool.dtype)
+        k_pool[slot] = encode(k_pool, k[row])
+        v_pool[slot] = encode(v_pool, v[row])
 
 
 def _attend_one(
@@ -61,14 +62,14 @@ def paged_attention_reference(
     """Causal attention of every packed query over its own request's blocks (the last `window`
     keys of each query's, with a sliding window; scores capped by `softcap`).
 
-    q [T, H, D]; pools [num_slots, KVH, D]; returns [T, H, D].
+    q [T, H, D]; pools [num_slots, KVH, row]; returns [T, H, D].
     """
     out = torch.zeros_like(q)
 
     def context_keys(block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         slots = [int(block_table[p // block_size]) * block_size + p % block_size for p in range(length)]
         index = torch.tensor(slots, dtype=torch.long)
-        return k_pool[index], v_pool[index]
+        return decode(k_pool[index]), decode(v_pool[index])
 
     for r in range(layout.context_query_rows.shape[0]):
         rows = sorted(set(layout.context_query_rows[r].tolist()))

@@ -10,7 +10,10 @@
 //   pass 3: out = sum_l p_l v_l / sum    16 lanes of head_dim at a time, keys in order
 // Every item is computed alone, in one fixed order, so a request's output is bitwise the same
 // whatever else is in the step and however the threads split the items (threads take whole items).
-// Pools may hold fp32, fp16 or bf16 (`--kv-dtype`); each element is widened to fp32 on load.
+// Pools may hold fp32, fp16 or bf16 (`--kv-dtype`); each element is widened to fp32 on load. A q8_0
+// pool (plugins/kv_format.py) holds each head's row as head_dim int8 then one fp16 scale per 32
+// (per 16 at head_dim 16): a 16-lane chunk is its int8 widened and times its block's scale, which
+// is exact in fp32, so the kernel reads the same values as the torch paths' dequantized blocks.
 // With a sliding window (Mistral, Phi-3) an item reads only its row's last `window` keys, in the
 // same order, so a row's result still depends on nothing but its own keys. With Gemma 2's
 // soft-capping each score passes through cap * tanh(s / cap) before the softmax (scalar tanh, in
@@ -113,6 +116,30 @@ inline V load_kv(const T* p, KvType type) {
   }
 }
 
+struct Q8Row {};  // the tag of q8_0 pools' rows
+
+// One head's row of a pool of T (head_dim = 16 * CH): its elements, its width in them, and its
+// 16-lane chunk c as fp32.
+template <typename T, int CH>
+struct Rows {
+  using Elem = T;
+  static constexpr int64_t kWidth = CH * kLanes;
+  static V chunk(const Elem* row, int c, KvType type) { return load_kv(row + c * kLanes, type); }
+};
+
+template <int CH>
+struct Rows<Q8Row, CH> {
+  using Elem = uint8_t;
+  static constexpr int kHeadDim = CH * kLanes;
+  static constexpr int kBlock = kHeadDim < 32 ? kHeadDim : 32;
+  static constexpr int64_t kWidth = kHeadDim + 2 * (kHeadDim / kBlock);  // int8 values, fp16 scales
+  static V chunk(const Elem* row, int c, KvType) {
+    uint16_t scale_bits;
+    std::memcpy(&scale_bits, row + kHeadDim + 2 * (c * kLanes / kBlock), sizeof(scale_bits));
+    return mul(to_float(bytes_signed(row + c * kLanes)), broadcast(_cvtsh_ss(scale_bits)));
+  }
+};
+
 // Heads [head0, head0 + S) of one KV head of one request, head_dim = 16 * CH. The S heads share
 // every K/V load, and their S x CH accumulators are independent FMA chains (S * CH <= 16).
 template <typename T, int CH, int S>
@@ -124,9 +151,11 @@ void attend_heads(const DecodeAttentionProblem& p, int64_t row, int64_t head0, s
   const int64_t length = seq_len - first;
   const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
   const int64_t* table = p.block_tables + row * p.table_stride;
-  const int64_t slot_stride = p.num_kv_heads * p.head_dim;
-  const T* k_base = static_cast<const T*>(p.k_pool) + kv_head * p.head_dim;
-  const T* v_base = static_cast<const T*>(p.v_pool) + kv_head * p.head_dim;
+  using R = Rows<T, CH>;
+  using E = typename R::Elem;
+  const int64_t slot_stride = p.num_kv_heads * R::kWidth;
+  const E* k_base = static_cast<const E*>(p.k_pool) + kv_head * R::kWidth;
+  const E* v_base = static_cast<const E*>(p.v_pool) + kv_head * R::kWidth;
   const SlotCursor keys_from_first{table, p.block_size, first};
   float* outs[S];
   for (int g = 0; g < S; ++g) outs[g] = p.out + (row * p.num_heads + head0 + g) * p.head_dim;
@@ -145,14 +174,14 @@ void attend_heads(const DecodeAttentionProblem& p, int64_t row, int64_t head0, s
   SlotCursor key_slot = keys_from_first;
 #if defined(IFB_SIMD16_AVX512)
   for (; l + kLanes <= length; l += kLanes) {  // 16 keys' scores at once, each summed as sum_lanes sums
-    const T* keys[kLanes];
+    const E* keys[kLanes];
     for (int j = 0; j < kLanes; ++j) keys[j] = k_base + key_slot.take() * slot_stride;
     for (int g = 0; g < S; ++g) {
       V dots[kLanes];
       for (int j = 0; j < kLanes; ++j) {
-        const T* k = keys[j];
+        const E* k = keys[j];
         V dot = zero();
-        for (int c = 0; c < CH; ++c) dot = fmadd(q[g][c], load_kv(k + c * kLanes, p.kv_type), dot);
+        for (int c = 0; c < CH; ++c) dot = fmadd(q[g][c], R::chunk(k, c, p.kv_type), dot);
         dots[j] = dot;
       }
       store(score[g] + l, mul(sum_lanes_each(dots), broadcast(p.scale)));
@@ -160,9 +189,9 @@ void attend_heads(const DecodeAttentionProblem& p, int64_t row, int64_t head0, s
   }
 #endif
   for (; l < length; ++l) {
-    const T* k = k_base + key_slot.take() * slot_stride;
+    const E* k = k_base + key_slot.take() * slot_stride;
     V kc[CH];
-    for (int c = 0; c < CH; ++c) kc[c] = load_kv(k + c * kLanes, p.kv_type);
+    for (int c = 0; c < CH; ++c) kc[c] = R::chunk(k, c, p.kv_type);
     for (int g = 0; g < S; ++g) {
       V dot = zero();
       for (int c = 0; c < CH; ++c) dot = fmadd(q[g][c], kc[c], dot);
@@ -192,9 +221,9 @@ void attend_heads(const DecodeAttentionProblem& p, int64_t row, int64_t head0, s
     for (int c = 0; c < CH; ++c) acc[g][c] = zero();
   SlotCursor value_slot = keys_from_first;
   for (int64_t l = 0; l < length; ++l) {
-    const T* v = v_base + value_slot.take() * slot_stride;
+    const E* v = v_base + value_slot.take() * slot_stride;
     V vc[CH];
-    for (int c = 0; c < CH; ++c) vc[c] = load_kv(v + c * kLanes, p.kv_type);
+    for (int c = 0; c < CH; ++c) vc[c] = R::chunk(v, c, p.kv_type);
     for (int g = 0; g < S; ++g) {
       const V weight = broadcast(score[g][l]);
       for (int c = 0; c < CH; ++c) acc[g][c] = fmadd(weight, vc[c], acc[g][c]);
@@ -243,6 +272,8 @@ void run_items(const DecodeAttentionProblem& p, int64_t item_begin, int64_t item
 void run_decode_attention(const DecodeAttentionProblem& problem, int64_t item_begin, int64_t item_end) {
   if (problem.kv_type == KvType::kFloat32)
     run_items<float>(problem, item_begin, item_end);
+  else if (problem.kv_type == KvType::kQ8_0)
+    run_items<Q8Row>(problem, item_begin, item_end);
   else
     run_items<uint16_t>(problem, item_begin, item_end);
 }

@@ -167,8 +167,11 @@ KvType kv_type(const at::Tensor& pool) {
       return KvType::kFloat16;
     case at::kBFloat16:
       return KvType::kBFloat16;
+    case at::kByte:  // q8_0 rows (plugins/kv_format.py)
+      return KvType::kQ8_0;
     default:
-      TORCH_CHECK(false, "ifb_quant: KV pools must be float32, float16 or bfloat16, got ", pool.scalar_type());
+      TORCH_CHECK(false, "ifb_quant: KV pools must be float32, float16, bfloat16 or uint8 (q8_0), got ",
+                  pool.scalar_type());
   }
 }
 
@@ -186,9 +189,12 @@ at::Tensor paged_decode_attention_softcap(const at::Tensor& q, const at::Tensor&
               "ifb_quant: K/V pools must be contiguous [slots, kv_heads, head_dim] of one dtype");
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2), kv_heads = k_pool.size(1);
   const bool supported_dim = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
-  TORCH_CHECK(k_pool.size(2) == head_dim && supported_dim && kv_heads > 0 && heads % kv_heads == 0,
-              "ifb_quant: head_dim ", head_dim, " must match the pools and be 16, 32, 64, 128 or 256; heads ", heads,
-              " a multiple of kv_heads ", kv_heads);
+  // a q8_0 row: head_dim int8, then an fp16 scale per 32 values (per 16 at head_dim 16)
+  const int64_t row = k_pool.scalar_type() == at::kByte ? head_dim + 2 * (head_dim / std::min<int64_t>(head_dim, 32))
+                                                        : head_dim;
+  TORCH_CHECK(k_pool.size(2) == row && supported_dim && kv_heads > 0 && heads % kv_heads == 0,
+              "ifb_quant: head_dim ", head_dim, " must match the pools' rows (", k_pool.size(2),
+              ") and be 16, 32, 64, 128 or 256; heads ", heads, " a multiple of kv_heads ", kv_heads);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows && block_tables.scalar_type() == at::kLong &&
                   seq_lens.dim() == 1 && seq_lens.size(0) == rows && seq_lens.scalar_type() == at::kLong,
               "ifb_quant: block_tables [rows, blocks] and seq_lens [rows] must be int64");

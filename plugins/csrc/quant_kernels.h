@@ -117,7 +117,8 @@ void gather_rows(const uint8_t* packed, Format format, bool int8_layout, int64_t
 const char* int8_dot_path();
 
 // Paged decode attention (paged_decode_attention.cpp): what the K/V pools hold.
-enum class KvType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// kQ8_0: uint8 rows of head_dim int8 then fp16 scales per 32 (plugins/kv_format.py).
+enum class KvType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kQ8_0 = 3 };
 
 // out[r, h, :] = softmax(q[r, h, :] . K_r * scale) V_r over the first seq_lens[r] positions of
 // request r, K/V read from the pools [num_slots, num_kv_heads, head_dim] through block_tables.

@@ -21,9 +21,15 @@ from ifb.runtime.engine_format.config import (
 from ifb.runtime.engine_format.limits import (
     DTYPE_ALIASES,
     DTYPE_BYTES,
+    KV_DTYPES,
+    KV_Q8_0,
     EngineLimits,
     kv_bytes_per_block,
+    kv_format_error,
+    kv_pool_dtype,
     kv_pool_shape,
+    kv_row_bytes,
+    q8_0_block,
 )
 from ifb.runtime.engine_format.model_spec import Activation, ModelSpec
 from ifb.runtime.engine_format.step_spec import (
@@ -40,7 +46,9 @@ __all__ = [
     "DTYPE_BYTES",
     "ENGINE_FORMAT_VERSION",
     "ENGINE_JSON",
+    "KV_DTYPES",
     "KV_POOLS_ARGUMENT",
+    "KV_Q8_0",
     "RECORD_SHA256",
     "STEP_INPUTS",
     "STEP_INPUT_NAMES",
@@ -57,8 +65,12 @@ __all__ = [
     "artifact_hashes",
     "dimension_bounds",
     "kv_bytes_per_block",
+    "kv_format_error",
+    "kv_pool_dtype",
     "kv_pool_names",
     "kv_pool_shape",
+    "kv_row_bytes",
+    "q8_0_block",
     "record_sha256",
     "sha256_of_file",
 ]

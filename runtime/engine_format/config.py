@@ -25,7 +25,7 @@ from ifb.runtime.engine_format.artifacts import (
     verify_artifacts,
     verify_record,
 )
-from ifb.runtime.engine_format.limits import DTYPE_BYTES, EngineLimits, kv_bytes_per_block, kv_pool_shape
+from ifb.runtime.engine_format.limits import KV_DTYPES, EngineLimits, kv_bytes_per_block, kv_pool_shape
 from ifb.runtime.engine_format.model_spec import ModelSpec
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step_budget.cost_model import StepCostModel
@@ -173,7 +173,7 @@ class EngineConfig:
             "kv_dtype": self.kv_dtype,
             "backend": self.backend.value,
             "kv_pool": {
-                "shape": list(kv_pool_shape(self.spec, self.limits)),
+                "shape": list(kv_pool_shape(self.spec, self.limits, self.kv_dtype)),
                 "dtype": self.kv_dtype,
                 "tokens": self.limits.kv_pool_tokens,
                 "bytes": self.kv_pool_bytes,
@@ -220,7 +220,7 @@ class EngineConfig:
                 spec=ModelSpec.from_json(required("model")),
                 limits=EngineLimits(**required("limits")),
                 dtype=dtype,
-                kv_dtype=_one_of("kv_dtype", record.get("kv_dtype") or dtype, DTYPE_BYTES),
+                kv_dtype=_one_of("kv_dtype", record.get("kv_dtype") or dtype, KV_DTYPES),
                 backend=BackendKind(required("backend")),
                 rope_scaling=float(required("rope_scaling")),
                 step_package=required("step_package"),

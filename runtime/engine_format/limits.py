@@ -20,6 +20,12 @@ DTYPE_ALIASES = {
     "float": "float32",
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# `--kv-dtype q8_0`: llama.cpp's Q8_0 for each head's K/V vector: per block of 32 values, 32 int8
+# and one fp16 scale (a head of 16 is one block of 16), stored as the bytes of one uint8 pool row
+# [head_dim int8 | head_dim / block fp16 scales] (plugins/kv_format.py reads and writes them).
+KV_Q8_0 = "q8_0"
+KV_Q8_0_BLOCK = 32
+KV_DTYPES = (*DTYPE_BYTES, KV_Q8_0)  # what an engine's KV pool may store (engine.json `kv_dtype`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +48,40 @@ class EngineLimits:
         return asdict(self)
 
 
+def q8_0_block(head_dim: int) -> int:
+    """Values per scale of a q8_0 head vector: 32, or the whole head where head_dim is 16."""
+    return min(KV_Q8_0_BLOCK, head_dim)
+
+
+def kv_format_error(head_dim: int, kv_dtype: str) -> str | None:
+    """Why a pool of `kv_dtype` cannot hold heads of `head_dim`, or None: q8_0 needs whole blocks
+    of a multiple of 16 values (the decode kernel loads 16 values under one scale)."""
+    if kv_dtype != KV_Q8_0:
+        return None
+    block = q8_0_block(head_dim)
+    if head_dim % block or block % 16:
+        return f"--kv-dtype q8_0 needs head_dim 16 or a multiple of {KV_Q8_0_BLOCK}, got head_dim {head_dim}"
+    return None
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one head's K (or V) vector of one token in a pool of `kv_dtype`."""
+    if kv_dtype == KV_Q8_0:
+        return head_dim + 2 * (head_dim // q8_0_block(head_dim))  # int8 values, then fp16 scales
+    return head_dim * DTYPE_BYTES[kv_dtype]
+
+
+def kv_pool_dtype(kv_dtype: str) -> str:
+    """The torch dtype name of a `kv_dtype` pool's tensor: q8_0 rows are raw bytes."""
+    return "uint8" if kv_dtype == KV_Q8_0 else kv_dtype
+
+
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: str) -> int:
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * kv_row_bytes(spec.head_dim, dtype)
 
 
-def kv_pool_shape(spec: ModelSpec, limits: EngineLimits) -> tuple[int, int, int, int, int]:
-    """The paged pool: [layers, K/V, num_blocks * block_size slots, kv_heads, head_dim]."""
-    return (spec.num_layers, 2, limits.kv_pool_tokens, spec.num_kv_heads, spec.head_dim)
+def kv_pool_shape(spec: ModelSpec, limits: EngineLimits, kv_dtype: str) -> tuple[int, int, int, int, int]:
+    """The paged pool: [layers, K/V, num_blocks * block_size slots, kv_heads, head_dim] elements of
+    `kv_dtype`; a q8_0 pool's last axis is each head's row of bytes (`kv_row_bytes`)."""
+    last = kv_row_bytes(spec.head_dim, kv_dtype) if kv_dtype == KV_Q8_0 else spec.head_dim
+    return (spec.num_layers, 2, limits.kv_pool_tokens, spec.num_kv_heads, last)

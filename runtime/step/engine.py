@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from ifb.runtime.engine_format import EngineConfig, kv_pool_shape
+from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step.backend import StepBackend, StepMode, make_step_backend
 from ifb.runtime.step.input_bounds import check_step_inputs
-from ifb.runtime.step.kv_pool import zeroed_pool
+from ifb.runtime.step.kv_pool import engine_kv_pool
 from ifb.runtime.step.step_inputs import StepInputs
 
 
@@ -36,9 +36,8 @@ class Engine:
         self.config = config
         self.mode = mode
         self.backend: StepBackend = make_step_backend(config, mode)
-        shape = kv_pool_shape(config.spec, config.limits)
         # In the engine's kv_dtype: the compiled step was exported with pools of that dtype.
-        self.kv_cache = zeroed_pool(shape, getattr(torch, config.kv_dtype), self.backend.device)
+        self.kv_cache = engine_kv_pool(config.spec, config.limits, config.kv_dtype, self.backend.device)
         self.kv_pools = kv_pool_views(self.kv_cache)
 
     @classmethod

@@ -15,6 +15,8 @@ import mmap
 
 import torch
 
+from ifb.runtime.engine_format import EngineLimits, ModelSpec, kv_pool_dtype, kv_pool_shape
+
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A zero-filled tensor of `shape`; on the CPU its pages are mapped on first write."""
@@ -28,3 +30,11 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     memory = mmap.mmap(-1, count * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # frombuffer holds a reference to the mapping for as long as the tensor lives
     return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
+
+
+def engine_kv_pool(
+    spec: ModelSpec, limits: EngineLimits, kv_dtype: str, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """An engine's zeroed pool [layers, K/V, slots, kv_heads, head_dim] of `kv_dtype` (a q8_0 pool:
+    uint8 rows of each head's bytes, `kv_row_bytes`); the one place that turns a kv_dtype into a tensor."""
+    return zeroed_pool(kv_pool_shape(spec, limits, kv_dtype), getattr(torch, kv_pool_dtype(kv_dtype)), device)
