@@ -12,8 +12,9 @@ import click
 
 from ifb.runtime.engine_format import ENGINE_JSON
 from ifb.runtime.runtime_config import RouterSettings, ServerSettings
+from ifb.runtime.server.model_memory import MemoryNeed, target_need
 from ifb.runtime.server.model_pool import LoadedModel, ModelSpec
-from ifb.runtime.server.model_router import ModelRouter, create_router_app
+from ifb.runtime.server.model_router import ModelRouter, create_models_app
 
 logger = logging.getLogger(__name__)
 
@@ -64,28 +65,24 @@ def router_app(
     load: Callable[[str], LoadedModel],
 ) -> ModelRouter:
     """The router over the models; `load(target)` makes one's LLM (called on a worker thread)."""
-    from ifb.runtime.server import create_app
-
-    def make_app(engine: LoadedModel, name: str) -> Any:
-        # The router checks the key and the body size and adds CORS once, for every route.
-        options = server.app_options() | {"served_model_names": (name,), "allowed_origins": ()}
-        return create_app(engine, **options)
-
     named = named_targets(targets, router, server.served_model_names)
-    specs = [ModelSpec(name, _loader(load, target), target) for name, target in named]
+    specs = [ModelSpec(name, _loader(load, target), target, _sizer(target)) for name, target in named]
     logger.info("serving %d models: %s", len(specs), ", ".join(f"{n} ({t})" for n, t in named))
-    return create_router_app(
+    return create_models_app(
         specs,
-        make_app,
+        server.app_options(),
         max_loaded_models=router.max_loaded_models,
         idle_unload_s=router.idle_unload_s,
-        api_key=server.api_key,
-        allowed_origins=server.allowed_origins,
+        models_memory_gb=router.models_memory_gb,
     )
 
 
 def _loader(load: Callable[[str], LoadedModel], target: str) -> Callable[[], LoadedModel]:
     return lambda: load(target)
+
+
+def _sizer(target: str) -> Callable[[], MemoryNeed]:
+    return lambda: target_need(target)
 
 
 def check_many_models(targets: tuple[str, ...], params: Mapping[str, Any]) -> None:

@@ -35,7 +35,7 @@ RUN_OPTION_GROUPS = merge_groups(
     SERVING_OPTION_GROUPS,
     {
         "Model": ("threads",),
-        "Several models": ("models_dir", "max_loaded_models", "idle_unload_s"),
+        "Several models": ("models_dir", "max_loaded_models", "models_memory_gb", "idle_unload_s"),
         "One-shot prompt (instead of serving)": ("prompt", "max_tokens", "temperature"),
     },
 )

@@ -230,6 +230,14 @@ class RouterSettings:
     idle_unload_s: float | None = option(
         None, "Unload a model no request has used for this many seconds (it loads again on the next).", minimum=0
     )
+    models_memory_gb: float | None = option(
+        None,
+        "GB (10^9 bytes) the loaded models may hold (each: weights + KV pool + 256 MiB overhead, from engine.json; "
+        "a GGUF not built yet is estimated from its size): a request for another unloads the least recently used "
+        "idle ones first, or gets a 503 when it cannot fit. Default: no bound.",
+        flag="--models-memory",
+        minimum=0,
+    )
 
     def __post_init__(self) -> None:
         if self.max_loaded_models is not None and self.max_loaded_models < 1:
@@ -238,6 +246,8 @@ class RouterSettings:
             )
         if self.idle_unload_s is not None and not self.idle_unload_s > 0:
             raise LimitExceededError(f"--idle-unload-s (idle_unload_s) must be > 0, got {self.idle_unload_s:g}")
+        if self.models_memory_gb is not None and not self.models_memory_gb > 0:
+            raise LimitExceededError(f"--models-memory (models_memory_gb) must be > 0, got {self.models_memory_gb:g}")
         if self.models_dir is not None and not Path(self.models_dir).is_dir():
             raise LimitExceededError(f"--models-dir (models_dir) {self.models_dir} is not a directory")
 

@@ -1,5 +1,6 @@
 """The router's models: which are loaded, loading one on demand off the event loop, and unloading
-the least recently used idle one (--max-loaded-models) or any idle too long (--idle-unload-s).
+the least recently used idle ones (--max-loaded-models, --models-memory) or any idle too long
+(--idle-unload-s).
 
 Cores: the loaded models share the process's one torch thread setting (--threads, else the
 environment's); the pool does not split the cores between them. Two models stepping at once
@@ -18,11 +19,18 @@ from enum import Enum
 from typing import Any, Protocol
 
 from ifb.runtime.engine_client import EngineClient
+from ifb.runtime.engine_format.config import EngineConfig
+from ifb.runtime.server.model_memory import GB, Held, MemoryNeed, engine_need, to_unload
 
 logger = logging.getLogger(__name__)
 
 
 class LoadedModel(EngineClient, Protocol):
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The engine's engine.json: what its memory need is measured from."""
+        ...
+
     def close(self) -> None:
         """Stop the step loop and free the engine's memory."""
         ...
@@ -49,6 +57,7 @@ class ModelSpec:
     name: str
     load: Callable[[], LoadedModel]
     where: str  # the engine folder or source, for /v1/models and the log
+    need: Callable[[], MemoryNeed] | None = None  # before it loads (--models-memory); None: not sized
 
 
 @dataclass(slots=True)
@@ -62,6 +71,7 @@ class _Slot:
     loading: asyncio.Future[None] | None = None
     load_started: float = 0.0
     last_error: str | None = None
+    need: MemoryNeed | None = None  # measured once loaded (kept after an unload), else estimated
     closing: list[asyncio.Future[None]] = field(default_factory=list)
 
 
@@ -73,10 +83,12 @@ class ModelPool:
         max_loaded: int | None = None,
         idle_unload_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        memory_budget: int | None = None,
     ) -> None:
         self.slots = {spec.name: _Slot(spec) for spec in specs}
         self.make_app = make_app
         self.max_loaded = max_loaded
+        self.memory_budget = memory_budget  # bytes (--models-memory); None: no bound
         self.idle_unload_s = idle_unload_s
         self.clock = clock
         self._idle_task: asyncio.Task[None] | None = None
@@ -108,25 +120,59 @@ class ModelPool:
         slot.last_used = self.clock()
 
     def _make_room(self, wanted: _Slot) -> list[asyncio.Future[None]]:
-        """Unload least-recently-used idle models until one more fits; their closes to await."""
-        if self.max_loaded is None:
-            return []
+        """Unload least-recently-used idle models until one more fits both bounds; their closes to
+        await. NoRoomError / NoMemoryError (503s) when it cannot, with nothing unloaded."""
         occupied = [s for s in self.slots.values() if s.state is not ModelState.UNLOADED]
-        if len(occupied) < self.max_loaded:
-            return []
         idle = sorted((s for s in occupied if s.state is ModelState.LOADED and s.in_flight == 0), key=_last_used)
-        excess = len(occupied) - self.max_loaded + 1
+        excess = 0 if self.max_loaded is None else max(0, len(occupied) - self.max_loaded + 1)
         if len(idle) < excess:
             busy = ", ".join(f"{s.spec.name} ({s.state.value}, {s.in_flight} in flight)" for s in occupied)
             raise NoRoomError(
                 f"cannot load model {wanted.spec.name!r}: --max-loaded-models (max_loaded_models) is "
                 f"{self.max_loaded} and no loaded model is idle to unload: {busy}; retry when one finishes"
             )
-        return [self.unload(s, "to make room for " + repr(wanted.spec.name)) for s in idle[:excess]]
+        victims = idle[:excess]
+        if self.memory_budget is not None:
+            idle_names = {s.spec.name for s in idle}
+            held = [Held(s.spec.name, self._need(s).bytes, s.spec.name in idle_names, s.last_used) for s in occupied]
+            names = to_unload(wanted.spec.name, self._need(wanted), held, self.memory_budget, excess)
+            victims = [self.slots[name] for name in names]
+        return [self.unload(s, "to make room for " + repr(wanted.spec.name)) for s in victims]
+
+    def _need(self, slot: _Slot) -> MemoryNeed:
+        if slot.need is None:
+            # engine.json or a file's size: a small read, done once per model
+            slot.need = slot.spec.need() if slot.spec.need is not None else MemoryNeed(0, "not sized", True)
+        return slot.need
+
+    def _trim(self, loaded: _Slot) -> None:
+        """Once a model's measured need replaced an estimate that was too low: unload other idle
+        models, least recently used first, while the loaded ones pass the budget (a warning when
+        busy ones keep it past: the load has already happened)."""
+        budget = self.memory_budget
+        if budget is None:
+            return
+        occupied = [s for s in self.slots.values() if s.state is not ModelState.UNLOADED]
+        total = sum(self._need(s).bytes for s in occupied)
+        for slot in sorted((s for s in occupied if s.state is ModelState.LOADED and s.in_flight == 0), key=_last_used):
+            if total <= budget:
+                return
+            if slot is not loaded:
+                self.unload(slot, f"{loaded.spec.name!r} measured larger than its estimate")
+                total -= self._need(slot).bytes
+        if total > budget:
+            logger.warning(
+                "models hold %.3f GB, past --models-memory %g GB: %r measured %s",
+                total / GB,
+                budget / GB,
+                loaded.spec.name,
+                self._need(loaded).detail,
+            )
 
     async def _load(self, slot: _Slot, victims: list[asyncio.Future[None]]) -> None:
         try:
-            await asyncio.gather(*victims)  # their memory is freed before this model takes its own
+            # Their memory, and that of models unloading for being idle, is freed before this one takes its own.
+            await asyncio.gather(*victims, *(f for s in self.slots.values() for f in s.closing))
             logger.info("loading model %s from %s", slot.spec.name, slot.spec.where)
             engine = await asyncio.to_thread(slot.spec.load)
             try:
@@ -135,6 +181,9 @@ class ModelPool:
                 await asyncio.to_thread(engine.close)
                 raise
             slot.engine, slot.state, slot.last_error = engine, ModelState.LOADED, None
+            estimate, slot.need = self._need(slot), engine_need(engine.engine_config)
+            if slot.need.bytes > estimate.bytes:
+                self._trim(slot)
             logger.info("loaded model %s in %.1f s", slot.spec.name, self.clock() - slot.load_started)
         except Exception as error:
             slot.state, slot.last_error = ModelState.UNLOADED, f"{type(error).__name__}: {error}"
@@ -185,7 +234,18 @@ class ModelPool:
             status["loading_for_s"] = round(self.clock() - slot.load_started, 1)
         if slot.last_error is not None:
             status["last_error"] = slot.last_error
+        if slot.spec.need is not None or slot.need is not None:
+            need = self._need(slot)
+            status["memory_bytes"], status["memory_estimated"] = need.bytes, need.estimated
+            status["memory_detail"] = need.detail
         return status
+
+    def memory(self) -> dict[str, int] | None:
+        """--models-memory's budget and what the loaded and loading models hold, in bytes."""
+        if self.memory_budget is None:
+            return None
+        held = sum(self._need(s).bytes for s in self.slots.values() if s.state is not ModelState.UNLOADED)
+        return {"budget_bytes": self.memory_budget, "held_bytes": held}
 
 
 def _last_used(slot: _Slot) -> float:

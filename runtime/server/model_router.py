@@ -22,6 +22,7 @@ from ifb import __version__
 from ifb.runtime.server.anthropic_messages import MESSAGES_PATH, anthropic_error
 from ifb.runtime.server.errors import error_response
 from ifb.runtime.server.guard import LIVENESS_PATH, GuardMiddleware, replay_body
+from ifb.runtime.server.model_memory import GB, NoMemoryError
 from ifb.runtime.server.model_pool import LoadedModel, ModelLoadError, ModelPool, ModelSpec, ModelState, NoRoomError
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ def create_router_app(
     *,
     max_loaded_models: int | None = None,
     idle_unload_s: float | None = None,
+    models_memory_gb: float | None = None,
     api_key: str | None = None,
     max_body_bytes: int = 4 << 20,
     allowed_origins: tuple[str, ...] = (),
@@ -49,8 +51,31 @@ def create_router_app(
         raise ValueError(f"--max-loaded-models (max_loaded_models) must be >= 1, got {max_loaded_models}")
     if idle_unload_s is not None and not idle_unload_s > 0:
         raise ValueError(f"--idle-unload-s (idle_unload_s) must be > 0, got {idle_unload_s}")
-    pool = ModelPool(specs, make_app, max_loaded_models, idle_unload_s)
+    if models_memory_gb is not None and not models_memory_gb > 0:
+        raise ValueError(f"--models-memory (models_memory_gb) must be > 0, got {models_memory_gb:g}")
+    budget = None if models_memory_gb is None else int(models_memory_gb * GB)
+    pool = ModelPool(specs, make_app, max_loaded_models, idle_unload_s, memory_budget=budget)
     return ModelRouter(pool, api_key, max_body_bytes, allowed_origins)
+
+
+def create_models_app(specs: list[ModelSpec], app_options: dict[str, Any], **bounds: Any) -> ModelRouter:
+    """The router over `specs`, each model served by create_app with `app_options` (ServerSettings'
+    app_options(): `ifb run`'s and `ifb serve`'s flags) under its own name; `bounds`:
+    create_router_app's max_loaded_models, idle_unload_s, models_memory_gb."""
+    from ifb.runtime.server import create_app
+
+    def make_app(engine: LoadedModel, name: str) -> Any:
+        # The router checks the key and the body size and adds CORS once, for every route.
+        return create_app(engine, **(app_options | {"served_model_names": (name,), "allowed_origins": ()}))
+
+    return create_router_app(
+        specs,
+        make_app,
+        api_key=app_options.get("api_key"),
+        max_body_bytes=app_options.get("max_body_bytes", 4 << 20),
+        allowed_origins=tuple(app_options.get("allowed_origins", ())),
+        **bounds,
+    )
 
 
 class ModelRouter:
@@ -82,7 +107,7 @@ class ModelRouter:
     async def _route(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        path, method = scope["path"], scope["method"]
+        path, method = _route_path(scope), scope["method"]  # behind a route prefix (Ray Serve's) too
         if method == "POST":
             await self._dispatch(scope, receive, send)
             return
@@ -102,7 +127,7 @@ class ModelRouter:
         await error_response(404, f"no route {method} {path}")(scope, receive, send)
 
     async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        path = scope["path"]
+        path = _route_path(scope)
         body = await _read_body(receive)
         try:
             named = json.loads(body).get("model")
@@ -116,7 +141,7 @@ class ModelRouter:
             return
         try:
             app = await self.pool.acquire(named)
-        except (NoRoomError, ModelLoadError) as error:
+        except (NoRoomError, NoMemoryError, ModelLoadError) as error:
             await _refusal(path, 503, str(error))(scope, receive, send)
             return
         try:
@@ -129,7 +154,9 @@ class ModelRouter:
         card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "ifb"}
         if slot.engine is not None:
             card["max_model_len"] = slot.engine.model_info.max_model_len
-        return card | {"status": slot.state.value}
+        status = self.pool.status(name)
+        memory = {key: status[key] for key in ("memory_bytes", "memory_estimated") if key in status}
+        return card | {"status": slot.state.value} | memory
 
     def _models(self) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [self._card(name) for name in self.pool.names]})
@@ -151,7 +178,10 @@ class ModelRouter:
                 report = slot.engine.health_report()
                 models[name]["health"] = report.body
                 ok = ok and report.ok
-        body = {"status": "ok" if ok else "unavailable", "models": models}
+        body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "models": models}
+        memory = self.pool.memory()
+        if memory is not None:
+            body["models_memory"] = memory
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def _metrics(self) -> PlainTextResponse:
@@ -188,6 +218,12 @@ def _refusal(path: str, status: int, message: str, param: str | None = None) -> 
     return error_response(status, message, param=param, code=code)
 
 
+def _route_path(scope: dict[str, Any]) -> str:
+    """The path below the app's root_path (what a route prefix, such as Ray Serve's, adds)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root + "/") else path
+
+
 async def _read_body(receive: Any) -> bytes:
     chunks: list[bytes] = []
     while True:  # GuardMiddleware has already held the body to the size limit
@@ -199,4 +235,4 @@ async def _read_body(receive: Any) -> bytes:
             return b"".join(chunks)
 
 
-__all__ = ["ModelRouter", "ModelSpec", "ModelState", "create_router_app"]
+__all__ = ["ModelRouter", "ModelSpec", "ModelState", "create_models_app", "create_router_app"]

@@ -22,6 +22,7 @@ from ifb.cli.many_models import router_app
 from ifb.cli.run_command import make_router, run
 from ifb.runtime.runtime_config import RouterSettings, ServerSettings
 from ifb.runtime.sampling_params import SamplingParams
+from ifb.runtime.server.model_memory import GB, target_need
 from ifb.runtime.server.model_pool import NoRoomError
 from ifb.runtime.server.model_router import ModelRouter
 
@@ -212,5 +213,59 @@ def test_a_model_that_cannot_fit_is_refused_and_one_load_serves_every_waiter(
         assert loads == [LLAMA, QWEN]
         pool.release(QWEN)
         await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_memory_budget_unloads_the_least_recently_used_model_and_refuses_what_cannot_fit(
+    tiny_llama_engine: Path, tiny_qwen2_engine: Path
+) -> None:
+    """--models-memory with room for either model but not both: the second model's load unloads
+    the idle first one (no --max-loaded-models), a busy first one makes it a 503 naming the budget,
+    the need and what is held; a budget below a model's own need refuses it before loading it.
+    /v1/models and /health show each model's bytes as engine.json gives them."""
+    needs = {LLAMA: target_need(str(tiny_llama_engine)), QWEN: target_need(str(tiny_qwen2_engine))}
+    assert not any(need.estimated for need in needs.values())
+    budget = max(n.bytes for n in needs.values()) + min(n.bytes for n in needs.values()) // 2
+    targets = (str(tiny_llama_engine), str(tiny_qwen2_engine))
+    loads: list[str] = []
+
+    def load(target: str) -> LLM:
+        loads.append(Path(target).name)
+        return LLM(target)
+
+    def served(gb: float) -> ModelRouter:
+        return router_app(targets, RouterSettings(models_memory_gb=gb), ServerSettings(), load)
+
+    async def post(router: ModelRouter, model: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://router") as client:
+            return await client.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+
+    async def scenario() -> None:
+        router = served(budget / GB)
+        pool = router.pool
+        assert (await post(router, LLAMA)).status_code == 200
+        await pool.acquire(LLAMA)  # a request in flight: LLAMA is busy
+        refused = await post(router, QWEN)
+        assert refused.status_code == 503, refused.text
+        message = refused.json()["error"]["message"]
+        assert f"--models-memory (models_memory_gb) {budget / GB:g} GB" in message
+        assert f"{needs[QWEN].bytes / GB:.3f} GB" in message and f"{LLAMA} " in message and "(busy)" in message
+        assert loads == [LLAMA]
+        pool.release(LLAMA)  # idle now: the next request for QWEN unloads it
+        assert (await post(router, QWEN)).status_code == 200
+        assert (pool.status(LLAMA)["state"], pool.status(QWEN)["state"]) == ("unloaded", "loaded")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://router") as client:
+            cards = {card["id"]: card for card in (await client.get("/v1/models")).json()["data"]}
+            health = (await client.get("/health")).json()
+        assert {name: card["memory_bytes"] for name, card in cards.items()} == {n: v.bytes for n, v in needs.items()}
+        assert health["models_memory"] == {"budget_bytes": int(budget / GB * GB), "held_bytes": needs[QWEN].bytes}
+        await pool.close()
+
+        small = served((needs[LLAMA].bytes - 1) / GB)
+        too_big = await post(small, LLAMA)
+        assert too_big.status_code == 503 and "does not fit" in too_big.json()["error"]["message"]
+        assert "alone" in too_big.json()["error"]["message"] and loads == [LLAMA, QWEN]  # no load tried
+        await small.pool.close()
 
     asyncio.run(scenario())
