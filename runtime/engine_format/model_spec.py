@@ -36,6 +36,9 @@ class ModelSpec:
     # Qwen3: each head's q and k are RMS-normalized (a weight of head_dim each) before RoPE.
     # Defaulted so engine.json records written before the field still read.
     qk_norm: bool = False
+    # OLMoE: those norms span all of q's heads together (one weight of num_heads * head_dim) and
+    # all of k's (num_kv_heads * head_dim), as its transformers attention norms the whole projection
+    qk_norm_across_heads: bool = False
     # SmolLM3: the layers (by index) whose attention takes no rotary embedding (every 4th there)
     no_rope_layers: tuple[int, ...] = ()
     # Mistral, Phi-3: the attention window its checkpoint declares, on every layer: a query at

@@ -145,9 +145,12 @@ class Attention(nn.Module):
         self.window = spec.layer_window(index)
         self.softcap = spec.attn_logit_softcap  # Gemma 2: scores capped before the softmax
         self.ops = ops
-        # Qwen3, Gemma 3 normalize each head's q and k before RoPE; an identity keeps one forward for all
-        self.q_norm: nn.Module = _norm_or_identity(spec, spec.head_dim, spec.qk_norm)
-        self.k_norm: nn.Module = _norm_or_identity(spec, spec.head_dim, spec.qk_norm)
+        # Qwen3, Gemma 3 normalize each head's q and k before RoPE, OLMoE all heads together; an
+        # identity keeps one forward for all
+        self.qk_norm_across_heads = spec.qk_norm_across_heads
+        q_width, k_width = (self.q_dim, self.kv_dim) if spec.qk_norm_across_heads else (spec.head_dim, spec.head_dim)
+        self.q_norm: nn.Module = _norm_or_identity(spec, q_width, spec.qk_norm)
+        self.k_norm: nn.Module = _norm_or_identity(spec, k_width, spec.qk_norm)
 
     def forward(
         self,
@@ -162,8 +165,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        if self.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if not self.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
