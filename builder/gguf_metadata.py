@@ -115,8 +115,9 @@ def refuse_unread_keys(reader: Any, architecture: str, family_keys: tuple[str, .
 
 
 def _refuse_experts(reader: Any, architecture: str, family_keys: tuple[str, ...]) -> None:
-    """Refuse a mixture of experts, naming it as one, unless its family reads experts (qwen3moe);
-    shared experts (`*_shexp`, `*_chexps`: Qwen2-MoE, DeepSeek) are refused even then."""
+    """Refuse a mixture of experts, naming it as one, unless its family reads experts (qwen3moe,
+    olmoe, Mixtral-style llama); shared experts (`*_shexp`, `*_chexps`: Qwen2-MoE, DeepSeek) are
+    refused even then."""
     reads_experts = "expert_count" in family_keys
     counts = {
         key: field_value(reader, f"{architecture}.{key}")
@@ -134,7 +135,7 @@ def _refuse_experts(reader: Any, architecture: str, family_keys: tuple[str, ...]
         shown = ", ".join(tensors[:4]) + (f" (+{len(tensors) - 4} more)" if len(tensors) > 4 else "")
         raise UnsupportedModelError(
             f"this {architecture} GGUF is a mixture of experts ({'; '.join(p for p in (said, shown) if p)}); "
-            "only dense models and qwen3moe's experts are supported"
+            "only dense models and the expert families' files (qwen3moe, olmoe, llama with experts) are supported"
         )
 
 

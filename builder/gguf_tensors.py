@@ -129,7 +129,7 @@ class GgufTensors:
         self._tensors: dict[str, Any] = {t.name: t for t in self._reader.tensors}
         self.spec = spec
         # the file's family (a Mistral is written as a Llama): its names, permutation and offsets
-        family = gguf_family(_architecture(self._reader))
+        family = gguf_family(_architecture(self._reader), self._reader)
         self.permute = family.gguf_permuted_qk
         self.norm_shift = family.gguf_norm_offset
         self.linears = linear_parts(spec, family, set(self._tensors))

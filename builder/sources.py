@@ -169,7 +169,7 @@ def gguf_config(path: Path) -> Any:
     architecture = field_value(reader, "general.architecture")
     if not isinstance(architecture, str):
         raise SourceError(f"{path} has no general.architecture: not a model file llama.cpp would read")
-    family = gguf_family(architecture)  # refuse by name before transformers tries the file
+    family = gguf_family(architecture, reader)  # refuse by name before transformers tries the file
     register_llama_shaped_gguf_architectures()
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)

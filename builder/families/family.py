@@ -86,6 +86,9 @@ class Family:
     rope_freqs: ClassVar[bool] = False  # `rope_freqs.weight` (Llama 3's scaling as factors) may be applied
     config_tensors: ClassVar[tuple[str, ...]] = ()  # tensors read into the config (RoPE factors), not weights
     llama_shaped_gguf: ClassVar[bool] = False  # written exactly as Llama; transformers' reader lacks the name
+    # transformers' GGUF reader lacks the name, and its `{arch}.*` keys -> the config's fields are
+    # these (OLMoE); None: the reader knows the name, or llama_shaped_gguf says how to read it
+    gguf_config_keys: ClassVar[dict[str, str | None] | None] = None
     vocabulary: ClassVar[VocabularyStyle] = VocabularyStyle.LLAMA
 
     # --- tensor names
@@ -193,6 +196,11 @@ class Family:
         if self.config_attention_bias:
             config.update(declared_biases(reader, self.config_mlp_bias))
         return self.read_window(config, reader)
+
+    def gguf_variant(self, reader: Any) -> str | None:
+        """The model_type of the family a file of this GGUF architecture really is, where that is
+        another's (a `llama` file with experts is a Mixtral); None: this family's."""
+        return None
 
     @property
     def gguf_name(self) -> str:

@@ -8,23 +8,16 @@ What the network does not implement is refused by name: dense MLP layers among t
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from ifb.builder.errors import UnsupportedModelError
-from ifb.builder.families.family import (
-    GGUF_LAYER_LINEARS,
-    GGUF_LAYER_NORMS,
-    HF_LAYER_LINEARS,
-    HF_LAYER_NORMS,
-    Family,
-    WindowRule,
-)
+from ifb.builder.families.family import HF_LAYER_NORMS, WindowRule
+from ifb.builder.families.routed_experts import EXPERT_COUNT_KEYS, RoutedExperts
 from ifb.builder.gguf_metadata import field_value
 from ifb.runtime.engine_format import ModelSpec
 
 
-class Qwen3Moe(Family):
+class Qwen3Moe(RoutedExperts):
     model_type = "qwen3_moe"
     gguf_architecture = "qwen3moe"
     releases = "Qwen3-30B-A3B, Qwen3-235B-A22B (mixtures of experts)"
@@ -33,31 +26,14 @@ class Qwen3Moe(Family):
     # Qwen3MoeConfig keeps sliding_window only where use_sliding_window is set, and its attention
     # then applies it on every layer
     window = WindowRule.EVERY_LAYER
-    # No dense MLP: the attention's linears only; the router is a per-layer dense weight read as
-    # the norms are (`mlp.gate`, llama.cpp's `ffn_gate_inp`), the experts stacked per layer
-    hf_layer_linears = {k: v for k, v in HF_LAYER_LINEARS.items() if k.startswith("attn.")}
-    gguf_layer_linears = {k: v for k, v in GGUF_LAYER_LINEARS.items() if k.startswith("attn.")}
     hf_layer_norms = {**HF_LAYER_NORMS, "mlp.router": "mlp.gate"}
-    gguf_layer_norms = {**GGUF_LAYER_NORMS, "mlp.router": "ffn_gate_inp"}
     hf_layer_experts = {
         "mlp.experts_gate_up": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"),
         "mlp.experts_down": ("mlp.experts.{e}.down_proj",),
     }
-    gguf_keys = ("expert_count", "expert_used_count", "expert_feed_forward_length")
-    gguf_layer_experts = {
-        "mlp.experts_gate_up": ("ffn_gate_exps", "ffn_up_exps"),
-        "mlp.experts_down": ("ffn_down_exps",),
-    }
+    gguf_keys = (*EXPERT_COUNT_KEYS, "expert_feed_forward_length")
 
     def model_spec(self, config: Any) -> ModelSpec:
-        spec = super().model_spec(config)
-        num_experts = int(getattr(config, "num_experts", 0) or 0)
-        top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
-        if num_experts < 1 or not 1 <= top_k <= num_experts:
-            raise UnsupportedModelError(
-                f"qwen3_moe needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts, "
-                f"got num_experts={num_experts}, num_experts_per_tok={top_k}"
-            )
         dense_layers = list(getattr(config, "mlp_only_layers", None) or [])
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)
         if dense_layers or step != 1:
@@ -65,13 +41,7 @@ class Qwen3Moe(Family):
                 "qwen3_moe with dense MLP layers among the expert ones is not supported "
                 f"(mlp_only_layers={dense_layers}, decoder_sparse_step={step}; every layer must be MoE)"
             )
-        return replace(
-            spec,
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=int(config.moe_intermediate_size),
-            norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
-        )
+        return super().model_spec(config)
 
     def read_gguf(self, config: Any, reader: Any) -> Any:
         """The experts' width, which transformers' GGUF reader does not map (it leaves
