@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ifb.ray_serve.ingress import IfbIngress
+from ifb.ray_serve.ingress import IfbIngress, IfbModelsIngress
 from ifb.ray_serve.reaper import start_reaper
 from ifb.ray_serve.replica import IfbReplica
 from ifb.runtime.engine_format import EngineConfig
@@ -30,7 +31,7 @@ REPLICA_DEPLOYMENT = "ifb-replica"
 INGRESS_DEPLOYMENT = "ifb-ingress"
 ROUTER_CLASS = "ifb.ray_serve.router:PrefixAffinityRouter"
 # ServeOptions lives beside the other settings (Ray-free, so the CLI can build flags from it).
-__all__ = ["ServeOptions", "build_app", "serve_engine", "shutdown", "start_ray"]
+__all__ = ["ServeOptions", "build_app", "build_models_app", "serve_engine", "serve_models", "shutdown", "start_ray"]
 
 _reaper: list[object] = []  # the local instance's watcher, held so it is not collected as garbage
 
@@ -38,28 +39,9 @@ _reaper: list[object] = []  # the local instance's watcher, held so it is not co
 def build_app(engine: Path, settings: RuntimeSettings, options: ServeOptions) -> Any:
     """The Serve application for `engine` (a folder every Ray node can read)."""
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
-    engine_config = EngineConfig.load(engine, verify=False)
-    config = resolve_runtime_config(engine_config, settings)
-    capacity = config.max_batch_size + config.max_queued_requests
-    router: dict[str, Any] = {
-        "request_router_class": ROUTER_CLASS,
-        "request_router_kwargs": {"block_size": engine_config.limits.block_size},
-        "request_routing_stats_period_s": options.stats_period_s,
-        "request_routing_stats_timeout_s": max(1.0, 2 * options.stats_period_s),
-    }
+    replica, capacity = _replicas(REPLICA_DEPLOYMENT, engine, settings, options)
     deployment: Any = serve.deployment  # its overloads hide .bind from mypy
-    replica = deployment(
-        IfbReplica,
-        name=REPLICA_DEPLOYMENT,
-        num_replicas=options.num_replicas,
-        max_ongoing_requests=2 * capacity,
-        ray_actor_options={"num_cpus": options.threads_per_replica},
-        health_check_period_s=options.health_check_period_s,
-        health_check_timeout_s=max(10.0, 5 * options.health_check_period_s),
-        request_router_config=RequestRouterConfig(**router),
-    )
     ingress = deployment(
         serve.ingress()(IfbIngress),
         name=INGRESS_DEPLOYMENT,
@@ -76,7 +58,64 @@ def build_app(engine: Path, settings: RuntimeSettings, options: ServeOptions) ->
     )
 
 
-def start_ray(options: ServeOptions) -> None:
+def build_models_app(engines: dict[str, Path], settings: RuntimeSettings, options: ServeOptions) -> Any:
+    """The Serve application for several models: one replica deployment per model (its own
+    --replicas of it, its own prefix-affinity router) and one ingress routing each request on its
+    body's `model`, as `ifb run`'s router does (runtime/server/model_router.py)."""
+    from ray import serve
+
+    replicas: dict[str, Any] = {}
+    total = 0
+    for name, engine in engines.items():
+        replica, capacity = _replicas(f"{REPLICA_DEPLOYMENT}-{name}", engine, settings, options)
+        replicas[name] = replica.bind(str(engine), settings, options.threads_per_replica)
+        total += options.num_replicas * capacity
+    deployment: Any = serve.deployment
+    ingress = deployment(
+        serve.ingress()(IfbModelsIngress),
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=max(100, 2 * total),
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(
+        replicas,
+        {name: str(engine) for name, engine in engines.items()},
+        settings,
+        options.num_replicas,
+        dict(options.app_options),
+    )
+
+
+def _replicas(name: str, engine: Path, settings: RuntimeSettings, options: ServeOptions) -> tuple[Any, int]:
+    """One engine's replica deployment (unbound), and the requests one replica holds."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    engine_config = EngineConfig.load(engine, verify=False)
+    config = resolve_runtime_config(engine_config, settings)
+    capacity = config.max_batch_size + config.max_queued_requests
+    router: dict[str, Any] = {
+        "request_router_class": ROUTER_CLASS,
+        "request_router_kwargs": {"block_size": engine_config.limits.block_size},
+        "request_routing_stats_period_s": options.stats_period_s,
+        "request_routing_stats_timeout_s": max(1.0, 2 * options.stats_period_s),
+    }
+    deployment: Any = serve.deployment  # its overloads hide .bind from mypy
+    replica = deployment(
+        IfbReplica,
+        name=name,
+        num_replicas=options.num_replicas,
+        max_ongoing_requests=2 * capacity,
+        ray_actor_options={"num_cpus": options.threads_per_replica},
+        health_check_period_s=options.health_check_period_s,
+        health_check_timeout_s=max(10.0, 5 * options.health_check_period_s),
+        request_router_config=RequestRouterConfig(**router),
+    )
+    return replica, capacity
+
+
+def start_ray(options: ServeOptions, num_models: int = 1) -> None:
     """Join the cluster at ray_address, or start a local instance with enough CPUs for the
     replicas (oversubscribing a small machine rather than leaving replicas unscheduled). A local
     instance is ended with this process, however it ends (see reaper.py); a cluster joined is
@@ -88,11 +127,12 @@ def start_ray(options: ServeOptions) -> None:
     if options.ray_address is not None:
         ray.init(address=options.ray_address, include_dashboard=False)
         return
-    wanted = options.num_replicas * options.threads_per_replica
+    wanted = num_models * options.num_replicas * options.threads_per_replica
     cpus = os.cpu_count() or 1
     if wanted > cpus:
         logger.warning(
-            "%d replicas x %d threads oversubscribe this machine's %d CPUs",
+            "%d model(s) x %d replicas x %d threads oversubscribe this machine's %d CPUs",
+            num_models,
             options.num_replicas,
             options.threads_per_replica,
             cpus,
@@ -103,6 +143,25 @@ def start_ray(options: ServeOptions) -> None:
 
 def serve_engine(engine: Path, settings: RuntimeSettings, options: ServeOptions, blocking: bool = True) -> None:
     """Deploy and serve on http://host:port until interrupted (blocking) or return once ready."""
+    _deploy(lambda: build_app(engine, settings, options), APP_NAME, str(engine), options, 1, blocking)
+
+
+def serve_models(
+    engines: dict[str, Path],
+    settings: RuntimeSettings,
+    options: ServeOptions,
+    blocking: bool = True,
+) -> None:
+    """As serve_engine, for several models (name -> engine folder) behind one ingress routing by
+    model name."""
+    what = ", ".join(f"{name} ({folder})" for name, folder in engines.items())
+    build = lambda: build_models_app(engines, settings, options)  # noqa: E731
+    _deploy(build, f"{APP_NAME}-models", what, options, len(engines), blocking)
+
+
+def _deploy(
+    build: Callable[[], Any], name: str, what: str, options: ServeOptions, num_models: int, blocking: bool
+) -> None:
     from ray import serve
     from ray.serve.config import HTTPOptions
 
@@ -110,18 +169,18 @@ def serve_engine(engine: Path, settings: RuntimeSettings, options: ServeOptions,
     # default would kill the process before it, and once ray.init has run, Ray's C++ handler
     # aborts the process 3 s on (mid-shutdown), leaving the local instance's agents behind.
     with sigterm_exits():
-        start_ray(options)
+        start_ray(options, num_models)
     with sigterm_exits():  # again: ray.init replaced the handler
         serve.start(http_options=HTTPOptions(host=options.host, port=options.port))
-        app = build_app(engine, settings, options)
+        app = build()
         logger.info(
-            "deploying %d replica(s) of %s on Ray Serve, http://%s:%d",
+            "deploying %d replica(s) each of %s on Ray Serve, http://%s:%d",
             options.num_replicas,
-            engine,
+            what,
             options.host,
             options.port,
         )
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=blocking)
+        serve.run(app, name=name, route_prefix="/", blocking=blocking)
 
 
 def shutdown() -> None:

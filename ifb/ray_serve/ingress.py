@@ -1,10 +1,12 @@
 """The ingress deployment: the `ifb run` server app (create_app) over a ReplicaSetLLM, the
 EngineClient whose requests run on the replicas and whose /health and /metrics come from every
-replica's latest report (aggregate.py)."""
+replica's latest report (aggregate.py); with several models, `ifb run`'s model router over one
+ReplicaSetLLM per model."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -13,6 +15,8 @@ from fastapi import FastAPI
 from ifb.ray_serve.proxy import ReplicaSetLLM
 from ifb.runtime.runtime_config import RuntimeSettings
 from ifb.runtime.server import create_app
+from ifb.runtime.server.model_pool import ModelSpec
+from ifb.runtime.server.model_router import ModelRouter, create_models_app
 
 logger = logging.getLogger(__name__)
 
@@ -37,3 +41,39 @@ class IfbIngress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.llm, **self.app_options)
+
+
+class IfbModelsIngress:
+    """The ingress for several models: `ifb run`'s router (runtime/server/model_router.py) over one
+    ReplicaSetLLM per model, so a request goes to the replicas of the model its body names, with
+    the router's 404 for an unknown one, its /v1/models, /health and labelled /metrics."""
+
+    def __init__(
+        self,
+        replicas: dict[str, Any],
+        engines: dict[str, str],
+        settings: RuntimeSettings,
+        num_replicas: int,
+        app_options: dict[str, Any],
+    ) -> None:
+        specs = [
+            ModelSpec(
+                name, functools.partial(ReplicaSetLLM, engines[name], settings, handle, num_replicas), engines[name]
+            )
+            for name, handle in replicas.items()
+        ]
+        self.router = create_models_app(specs, app_options)
+        # Every model's replicas are deployed: its client (tokenizer, replica handle) is made now,
+        # so /v1/models lists them loaded before the first request.
+        self._warm = asyncio.ensure_future(self._load_all())
+
+    async def _load_all(self) -> None:
+        for name in self.router.pool.names:
+            try:
+                await self.router.pool.acquire(name)
+                self.router.pool.release(name)
+            except Exception:
+                logger.exception("making model %s's client failed", name)
+
+    def __serve_build_asgi_app__(self) -> ModelRouter:
+        return self.router

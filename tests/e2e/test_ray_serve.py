@@ -1,7 +1,8 @@
 """`ifb serve` on Ray Serve: two replicas of the tiny engine (one thread each) behind one ingress.
 
-One deployment for the module (Ray and two engines take ~20 s to start); the replica-kill test
-runs last. Skipped without the [serve] extra.
+One Ray instance for the module: first a two-model application (the tiny Llama and Qwen2, one
+replica each) is deployed and deleted, then one deployment serves the other tests (Ray and two
+engines take ~20 s to start); the replica-kill test runs last. Skipped without the [serve] extra.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ pytest.importorskip("ray.serve")
 from server_harness import free_port  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
-from ifb.ray_serve.deploy import ServeOptions, serve_engine, shutdown  # noqa: E402
+from ifb import LLM  # noqa: E402
+from ifb.ray_serve.deploy import ServeOptions, serve_engine, serve_models, shutdown  # noqa: E402
 from ifb.runtime.runtime_config import RuntimeSettings  # noqa: E402
+from ifb.runtime.sampling_params import SamplingParams  # noqa: E402
 
 START_TIMEOUT_S = 90
 REPORT_WAIT_S = 10  # replicas report every 0.2 s here; allow for a busy 2-core machine
@@ -33,16 +36,61 @@ POLL: dict[str, Any] = dict(ignoring=(httpx.HTTPError, KeyError, ValueError), ev
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_llama_engine: Path) -> Iterator[str]:
-    port = free_port()
-    options = ServeOptions(num_replicas=2, threads_per_replica=1, port=port, stats_period_s=0.2)
-    serve_engine(tiny_llama_engine, RuntimeSettings(), options, blocking=False)
-    base = f"http://127.0.0.1:{port}"
+def serve_port() -> Iterator[int]:
+    """The port of the module's Serve instance (started by the first deployment), shut at the end."""
     try:
-        wait_until(lambda: health(base)["num_ready"] == 2, START_TIMEOUT_S, "both replicas ready", **POLL)
-        yield base
+        yield free_port()
     finally:
         shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_llama_engine: Path, serve_port: int) -> str:
+    options = ServeOptions(num_replicas=2, threads_per_replica=1, port=serve_port, stats_period_s=0.2)
+    serve_engine(tiny_llama_engine, RuntimeSettings(), options, blocking=False)
+    base = f"http://127.0.0.1:{serve_port}"
+    wait_until(lambda: health(base)["num_ready"] == 2, START_TIMEOUT_S, "both replicas ready", **POLL)
+    return base
+
+
+def test_several_models_route_by_the_body_model(
+    tiny_llama_engine: Path, tiny_qwen2_engine: Path, serve_port: int
+) -> None:
+    """Two models, one replica deployment each: a request goes to the replicas of the model its
+    body names (each answers with its own greedy text, under its name), an unknown model is the
+    router's 404 naming the served ones, /v1/models lists both. Runs first: its two replicas take
+    the CPUs the local instance has, and it deletes its application before the others deploy."""
+    from ray import serve
+
+    engines = {"llama": tiny_llama_engine, "qwen": tiny_qwen2_engine}
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    alone = {}
+    for name, engine in engines.items():
+        with LLM(engine) as llm:
+            alone[name] = llm.generate(["hello there"], greedy)[0].text
+    assert alone["llama"] != alone["qwen"]  # else a request answered by the wrong model would pass
+    options = ServeOptions(num_replicas=1, threads_per_replica=1, port=serve_port, stats_period_s=0.2)
+    serve_models(engines, RuntimeSettings(), options, blocking=False)
+    base = f"http://127.0.0.1:{serve_port}"
+    try:
+
+        def listed() -> dict[str, str]:
+            cards = httpx.get(base + "/v1/models", timeout=5).json()["data"]
+            return {card["id"]: card["status"] for card in cards}
+
+        wait_until(lambda: listed() == {"llama": "loaded", "qwen": "loaded"}, START_TIMEOUT_S, "both models", **POLL)
+        for name in engines:
+            body = {"model": name, "prompt": "hello there", "max_tokens": 8, "temperature": 0}
+            response = httpx.post(base + "/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            assert (response.json()["model"], response.json()["choices"][0]["text"]) == (name, alone[name])
+        unknown = httpx.post(base + "/v1/completions", json={"model": "gpt-4o", "prompt": "hi"}, timeout=30)
+        assert unknown.status_code == 404
+        error = unknown.json()["error"]
+        assert (error["param"], error["code"]) == ("model", "model_not_found")
+        assert "'gpt-4o'" in error["message"] and "llama, qwen" in error["message"]
+    finally:
+        serve.delete("ifb-models")
 
 
 def health(base: str) -> dict[str, Any]:
