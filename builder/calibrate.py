@@ -19,6 +19,7 @@ from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step_budget.calibration import NOISY_FIT, calibrate
 from ifb.runtime.step_budget.cost_model import StepCostModel
+from ifb.runtime.step_budget.expert_reads import ExpertRouting
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,12 @@ def calibrate_engine_folder(
     cache = cache if cache is not None else CostModelCache()
     key = CostModelKey.of(config.to_json(), config.builder_version)
     stored = cache.get(key) if reuse else None
+    routing = ExpertRouting(config.spec.num_experts, config.spec.num_experts_per_tok)
+    if stored is not None and stored.routing != routing:
+        # a mixture of experts timed before steps were priced by the experts they read: its fit
+        # has no expert term, so it is timed again (and the new fit replaces it)
+        logger.info("stored step cost model for key %s has no expert term: timing the engine again", key.digest[:12])
+        stored = None
     if stored is not None:
         logger.info("step cost model reused: this machine timed an engine of the same key %s", key.digest[:12])
         info = {**build_info(), "cost_model": "reused"}

@@ -11,6 +11,11 @@ where written, step/kv_pool.py): a build's memory must not grow with the KV pool
 the pool of a full-size engine is gigabytes. A decode point whose rows would read more than that
 reads shorter contexts instead, each row its own blocks, so every timed KV read still comes from
 distinct memory; the fit is linear in context tokens and carries the slope to longer contexts.
+
+A mixture of experts is fitted with its expert term (expert_reads.py): the points are the same,
+with decode steps at more batch sizes so that the distinct experts they read (which saturate at
+E, unlike rows) are told apart from the rows. The distinct tokens of the points route like text,
+not like one token repeated: every row and prefill token has its own id (as they always had).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ifb.runtime.engine_format import kv_bytes_per_block
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 from ifb.runtime.step_budget.cost_model import StepCostModel, StepShape
+from ifb.runtime.step_budget.expert_reads import ExpertRouting
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +74,7 @@ def calibration_points(engine: Engine) -> list[CalibrationPoint]:
     short = block
     deep = max(block, min(limits.max_seq_len // 2, limits.max_seq_len - tokens) // block * block)
     chunks = sorted({max(2, tokens // 8), max(2, tokens // 2), tokens})
-    rows = sorted({1, max(1, batch // 4), batch})
+    rows = sorted({1, max(1, batch // 4), batch} | set(expert_rows(engine_routing(engine), batch)))
     blocks = calibration_blocks(engine)
     points = [
         CalibrationPoint(num_decode_rows=d, decode_context=min(c, max(block, blocks // d * block)))
@@ -80,6 +86,24 @@ def calibration_points(engine: Engine) -> list[CalibrationPoint]:
     mixed = max(2, tokens - batch)
     points.append(CalibrationPoint(num_prefill_tokens=mixed, num_decode_rows=batch, decode_context=short))
     return [p for p in points if p.prefill_start + p.num_prefill_tokens <= limits.max_seq_len]
+
+
+def engine_routing(engine: Engine) -> ExpertRouting:
+    """The engine's experts (ExpertRouting(): a dense engine)."""
+    spec = engine.config.spec
+    return ExpertRouting(spec.num_experts, spec.num_experts_per_tok)
+
+
+def expert_rows(routing: ExpertRouting, batch: int) -> list[int]:
+    """Decode batch sizes, beyond 1, batch/4 and batch, at which the expected distinct experts
+    still grow (2, 4, 8, ... up to where they reach ~90% of E): where the rows-only line and
+    the expert curve part; none for a dense engine."""
+    sizes: list[int] = []
+    size = 2
+    while routing.is_moe and size < batch and routing.expected_distinct(size) < 0.9 * routing.num_experts:
+        sizes.append(size)
+        size *= 2
+    return sizes
 
 
 def calibration_blocks(engine: Engine) -> int:
@@ -133,7 +157,7 @@ def calibrate(engine: Engine) -> StepCostModel:
     """Time `calibration_points(engine)` and fit the cost model to them."""
     started = time.perf_counter()
     samples = [(point.shape, time_step_ms(engine, point)) for point in calibration_points(engine)]
-    model = StepCostModel.fit(samples)
+    model = StepCostModel.fit(samples, engine_routing(engine))
     if model.max_relative_error > NOISY_FIT:
         logger.warning(
             "the step cost model fits one calibration step only within %.0f%%: was the machine busy? "
@@ -142,12 +166,13 @@ def calibrate(engine: Engine) -> StepCostModel:
         )
     logger.info(
         "calibrated the step cost in %.1f s over %d shapes: %.2f ms + %.4f ms/prefill token + %.3f ms/decode row "
-        "(worst fit error %.0f%%)",
+        "+ %.3f ms/expert read (worst fit error %.0f%%)",
         time.perf_counter() - started,
         len(samples),
         model.base_ms,
         model.per_prefill_token_ms,
         model.per_decode_row_ms,
+        model.per_expert_ms,
         100 * model.max_relative_error,
     )
     return model
