@@ -1,7 +1,8 @@
 """Quality of opt-in modes against the exact engine: teacher-forced agreement and KL, same prompts.
 
     .venv/bin/python bench/quality.py --reference engines/smollm2-b32-t512-q4_1 \\
-        --candidate engines/smollm2-b32-t512-q4_1-kvfp16 [--candidate ...] [--max-new-tokens 64]
+        --candidate engines/smollm2-b32-t512-q4_1-kvfp16 --candidate engines/smollm2-b32-t512-q4_1-kvq8_0 \\
+        [--candidate ...] [--max-new-tokens 64]
 
 Sixteen fixed chat prompts (PROMPTS below: facts, code, arithmetic, lists, translation, a story,
 a system prompt) go through the reference engine's chat template. The reference generates its
@@ -12,7 +13,8 @@ Each candidate is then teacher-forced along that token path, and at every positi
   mean KL           KL(reference || candidate) of the two next-token distributions (full
                     vocabulary, float64), averaged over all positions (nats)
 
-and, run freely, the fraction of prompts whose greedy output is identical to the reference's.
+and, run freely, the fraction of prompts whose greedy output is identical to the reference's; each
+row states the KV bytes a token costs in its pool (all layers, K and V), the price of a KV format.
 Both engines are driven through the runtime's step (`Engine.step` over `build_step_inputs`),
 which returns full-vocabulary fp32 logits: decodes of one group of prompts share each step, as
 they do when served. Prints a table; writes bench/out/quality.json.
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ifb.runtime.engine_format import EngineConfig, EngineLimits
+from ifb.runtime.engine_format import EngineConfig, EngineLimits, kv_bytes_per_block
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
@@ -176,6 +178,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def kv_bytes_per_token(config: EngineConfig) -> int:
+    block_size = config.limits.block_size
+    return kv_bytes_per_block(config.spec, block_size, config.kv_dtype) // block_size
+
+
 def label(config: EngineConfig) -> str:
     formats = sorted(set(config.weight_formats.values())) or ["dense"]
     return f"{config.folder.name} ({'+'.join(formats)}, {config.dtype}, KV {config.kv_dtype})"
@@ -196,6 +203,7 @@ def evaluate(
         "engine": str(folder),
         "label": label(engine.config),
         "kv_dtype": engine.config.kv_dtype,
+        "kv_bytes_per_token": kv_bytes_per_token(engine.config),
         "weight_formats": sorted(set(engine.config.weight_formats.values())),
         **compare(reference, forced),
         "greedy_identical": sum(d is None for d in divergence),
@@ -206,14 +214,20 @@ def evaluate(
 
 
 def print_table(reference: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    print(f"reference: {reference['label']}, {reference['positions']} positions over {reference['prompts']} prompts")
-    header = f"{'candidate':<58} {'top-1 agree':>11} {'mean KL':>10} {'max KL':>10} {'greedy identical':>17}"
+    print(
+        f"reference: {reference['label']}, {reference['positions']} positions over {reference['prompts']} prompts, "
+        f"KV {reference['kv_bytes_per_token']} bytes a token"
+    )
+    header = (
+        f"{'candidate':<58} {'KV B/token':>10} {'top-1 agree':>11} {'mean KL':>10} {'max KL':>10} "
+        f"{'greedy identical':>17}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
         identical = f"{row['greedy_identical']}/{len(row['first_divergence'])}"
         print(
-            f"{row['label']:<58} {row['top1_agreement']:>11.4f} {row['mean_kl']:>10.2e} {row['max_kl']:>10.2e} "
+            f"{row['label']:<58} {row['kv_bytes_per_token']:>10} {row['top1_agreement']:>11.4f} {row['mean_kl']:>10.2e} {row['max_kl']:>10.2e} "
             f"{identical:>17}"
         )
 
@@ -245,6 +259,7 @@ def main() -> None:
     summary = {
         "engine": str(args.reference),
         "label": label(config),
+        "kv_bytes_per_token": kv_bytes_per_token(config),
         "prompts": len(prompts),
         "prompt_tokens": [len(p) for p in prompts],
         "positions": sum(len(c.token_ids) for c in reference),

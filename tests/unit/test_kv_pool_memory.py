@@ -12,8 +12,10 @@ import pytest
 import torch
 from engine_records import SPEC, engine_config
 
+from ifb.builder.errors import LimitsError
+from ifb.builder.limits import resolve_limits
 from ifb.runtime.engine_format import EngineLimits, kv_bytes_per_block
-from ifb.runtime.step.kv_pool import zeroed_pool
+from ifb.runtime.step.kv_pool import engine_kv_pool, zeroed_pool
 from ifb.runtime.step_budget.calibration import (
     KV_CALIBRATION_BYTES,
     _slices,
@@ -84,3 +86,46 @@ def test_a_pool_within_the_bound_calibrates_the_full_depth() -> None:
     assert calibration_blocks(engine) == 4096
     contexts = {(p.num_decode_rows, p.decode_context) for p in calibration_points(engine) if p.num_decode_rows}
     assert contexts == {(rows, context) for rows in (1, 4, 16) for context in (16, 1024)}
+
+
+def test_kv_memory_holds_about_twice_fp16s_blocks_in_q8_0() -> None:
+    """`--kv-memory` sizes the pool in the format's real bytes: at head_dim 128 a q8_0 head is
+    136 bytes against fp16's 256, so the same 2 GB hold 1.88x the blocks (fp32: half of fp16's)."""
+    spec = replace(SPEC, **EIGHT_B_KV)
+    sizes = {
+        kv_dtype: resolve_limits(
+            spec,
+            max_batch_size=8,
+            max_num_tokens=64,
+            max_seq_len=256,
+            block_size=16,
+            kv_dtype=kv_dtype,
+            kv_memory_gb=2.0,
+        ).num_kv_blocks
+        for kv_dtype in ("float32", "float16", "q8_0")
+    }
+    assert sizes["q8_0"] == int(2e9 // kv_bytes_per_block(spec, 16, "q8_0")) == int(2e9 // (2 * 32 * 16 * 8 * 136))
+    assert sizes["q8_0"] / sizes["float16"] == pytest.approx(256 / 136, rel=1e-3)
+    assert sizes["float16"] // 2 == sizes["float32"]  # (953 and 476: whole blocks)
+
+
+def test_a_q8_0_pool_is_uint8_rows_of_each_heads_bytes() -> None:
+    """engine_kv_pool turns kv_dtype into the tensor: [layers, K/V, slots, kv_heads, row bytes]."""
+    spec = replace(SPEC, **EIGHT_B_KV)
+    limits = EngineLimits(max_batch_size=1, max_num_tokens=16, max_seq_len=32, block_size=16, num_kv_blocks=4)
+    pool = engine_kv_pool(spec, limits, "q8_0")
+    assert pool.dtype == torch.uint8 and pool.shape == (32, 2, 64, 8, 136) and not pool.any()
+    assert pool.nbytes == 4 * kv_bytes_per_block(spec, 16, "q8_0")
+    assert engine_kv_pool(spec, limits, "float16").nbytes == 4 * kv_bytes_per_block(spec, 16, "float16")
+
+
+def test_q8_0_refuses_a_head_dim_it_cannot_block() -> None:
+    with pytest.raises(LimitsError, match="--kv-dtype q8_0 needs head_dim 16 or a multiple of 32, got head_dim 80"):
+        resolve_limits(
+            replace(SPEC, head_dim=80),
+            max_batch_size=1,
+            max_num_tokens=16,
+            max_seq_len=32,
+            block_size=16,
+            kv_dtype="q8_0",
+        )

@@ -3,10 +3,13 @@
 Pins: a row is head_dim int8 then one fp16 scale per 32 values (per 16 at head_dim 16), the
 values read back are exactly a float64 reference's q * d and within half a step of the input;
 a token's row depends on that token alone; the kernel over q8_0 pools equals the torch path over
-the same rows dequantized, and its rows are bitwise batch invariant; the pool's byte count.
+the same rows dequantized, and its rows are bitwise batch invariant; the pool's byte count; a
+q8_0 block round-trips through the prefix disk tier.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from ifb.plugins.attention import _decode_attention, _gather_blocks
 from ifb.plugins.kv_format import dequantize_q8_0, q8_0_head_dim, quantize_q8_0
 from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
 from ifb.runtime.engine_format import KV_Q8_0, kv_format_error, kv_row_bytes
+from ifb.runtime.prefix_disk_tier import PrefixDiskTier, PrefixDiskTierConfig
 
 BLOCK = 16
 SLOTS = 64 * BLOCK
@@ -125,3 +129,21 @@ def test_kernel_refuses_a_q8_0_pool_of_the_wrong_width(kernel_library: QuantLibr
         torch.ops.ifb_quant.paged_decode_attention(
             q[..., :32].contiguous(), k_pool, v_pool, tables, lengths, BLOCK, 0.1
         )
+
+
+def test_q8_0_blocks_round_trip_through_the_disk_tier(tmp_path: Path) -> None:
+    """The prefix disk tier moves a block's rows as bytes: a q8_0 block comes back byte for byte
+    into another block of a fresh pool (as after a restart), and reads back the same values."""
+    spec_shape = (2, 2, 4 * BLOCK, 2)  # layers, K/V, slots, kv_heads
+    pool = quantize_q8_0(torch.randn(*spec_shape, 64, generator=torch.Generator().manual_seed(2)))
+    config = PrefixDiskTierConfig(tmp_path / "tier", max_bytes=10**6)
+    tier = PrefixDiskTier(config, "build-q8", pool, BLOCK)
+    tier.spill(b"k" * 32, 1, wait=True)
+    tier.close()
+    restored = torch.zeros_like(pool)
+    tier = PrefixDiskTier(config, "build-q8", restored, BLOCK)
+    assert tier.restore(b"k" * 32, 3)
+    tier.close()
+    assert torch.equal(restored[:, :, 3 * BLOCK : 4 * BLOCK], pool[:, :, BLOCK : 2 * BLOCK])
+    assert torch.equal(dequantize_q8_0(restored[:, :, 3 * BLOCK]), dequantize_q8_0(pool[:, :, BLOCK]))
+    assert not restored[:, :, : 3 * BLOCK].any()
