@@ -98,7 +98,8 @@ class BuildOptions:
     kv_dtype: str = option(  # the KV pool's dtype; auto = dtype
         "auto",
         "What the paged KV cache stores: auto = the engine's dtype; float16/fp16/half (or bfloat16/bf16) "
-        "halves the pool of an fp32 engine, so --kv-memory holds twice the blocks. The step still computes in "
+        "halves the pool of an fp32 engine, so --kv-memory holds twice the blocks; q8_0 stores int8 with an fp16 "
+        "scale per 32 values (llama.cpp's Q8_0), about half of fp16's bytes. The step still computes in "
         "its dtype: K/V are rounded when written and read back in fp32 (cpu backend only).",
         choices=KV_DTYPE_CHOICES,
         case_sensitive=False,
