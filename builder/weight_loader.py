@@ -21,25 +21,14 @@ from typing import Protocol
 
 import torch
 
-from ifb.builder.errors import BuildError
 from ifb.builder.gguf_tensors import TensorInfo
-from ifb.plugins.quant_formats import (
-    BLOCK_SIZE,
-    QUANTIZE_FORMATS,
-    WeightCompute,
-    WeightFormat,
-    block_weights,
-    quantize,
-)
+from ifb.plugins.quant_formats import BLOCK_SIZE, WeightCompute, WeightFormat, block_weights, quantize
 from ifb.runtime.engine_format import ModelSpec
 from ifb.runtime.step.network import EMBED_KEY, linear_part_rows
 from ifb.runtime.step.quant_linear import PACKERS
 from ifb.runtime.step.segmented_linear import part_formats, part_key, segment_parts
 
 logger = logging.getLogger(__name__)
-
-# weight_formats keys of a mixture of experts' stacked weights (runtime/step/moe_block.py)
-EXPERT_SUFFIXES = (".experts_gate_up", ".experts_down")
 
 # quant_ops.pack / pack_int8: rows of blocks, or a fused module's parts of them
 Packer = Callable[[torch.Tensor | Sequence[torch.Tensor], WeightFormat, int, int], torch.Tensor]
@@ -146,18 +135,7 @@ def _source_infos(source: TensorSource) -> list[TensorInfo]:
 
 def warn_dequantized(plan: WeightPlan, dtype_bytes: int) -> None:
     """One warning for every block tensor stored dense, and one for the 16-bit tensors of a
-    block-quantized file widened to the engine's dtype, each with what it costs. Refuses dense
-    experts in a 16-bit engine (see below) before any weight is written."""
-    dense_experts = sorted(
-        name for name, fmt in plan.formats.items() if name.endswith(EXPERT_SUFFIXES) and not fmt.is_block
-    )
-    if dense_experts and dtype_bytes < 4:
-        # A bf16 build of a tiny Qwen3-MoE compiled to logits 3-4 x std away from its own eager
-        # network (which matched transformers in bf16): not understood yet, so not built
-        raise BuildError(
-            f"a mixture of experts with dense experts ({dense_experts[0]}, ...) builds only in float32 for now: "
-            f"pass --dtype float32, or quantize with --weights {'|'.join(fmt.value for fmt in QUANTIZE_FORMATS)}"
-        )
+    block-quantized file widened to the engine's dtype, each with what it costs."""
     if plan.has_blocks and dtype_bytes > 2 and plan.sixteen_bit:
         widened = plan.sixteen_bit
         logger.warning(

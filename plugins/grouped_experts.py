@@ -1,11 +1,14 @@
 """The mixture-of-experts op `ifb_quant::grouped_experts`: schema, fake kernel, C shim, reference.
 
 `grouped_experts(x, expert_ids, expert_weights, gate_up, down, gate_up_format, down_format,
-compute, intermediate)` is a whole MoE layer after its router: x [rows, hidden] fp32, the router's
-top-k `expert_ids` [rows, k] int64 and `expert_weights` [rows, k] fp32, the stacked experts'
-gate/up rows `gate_up` (expert e: [2 * intermediate, hidden], gate rows first) and `down` (e:
-[hidden, intermediate]); returns [rows, hidden]. Shapes are static in the exported graph: however
-the rows route, the op takes and returns the same shapes.
+compute, intermediate)` is a whole MoE layer after its router: x [rows, hidden] (float32, or a 16-bit
+engine's bfloat16/float16), the router's top-k `expert_ids` [rows, k] int64 and `expert_weights`
+[rows, k] in x's dtype, the stacked experts' gate/up rows `gate_up` (expert e: [2 * intermediate,
+hidden], gate rows first) and `down` (e: [hidden, intermediate]); returns [rows, hidden] in x's
+dtype. A 16-bit x and weights are widened exactly inside, the sums are float32 and the result is
+rounded once at the end: the casts are the op's, so a compiled graph cannot fuse them away (it
+did: a bf16 engine's compiled step fed the experts its unrounded fp32 norm output). Shapes are
+static in the exported graph: however the rows route, the op takes and returns the same shapes.
 
 Each stacked weight is dense (`format` "fp32": float32 [E, n, k], or bfloat16/float16 in a 16-bit
 engine, widened weight by weight) or block tiles (a block

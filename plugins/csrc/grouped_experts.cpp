@@ -3,6 +3,9 @@
 //
 // y[r] = sum over r's top-k slots j, in ascending expert id, of w[r, j] * down_e(silu(gate_e(x[r])) * up_e(x[r]))
 // with e = ids[r, j] (transformers' Qwen3MoeExperts adds the experts' outputs in that order).
+// x and w are float32, or both a 16-bit engine's dtype: widened exactly, summed in float32, y rounded
+// to x's dtype at the end (a compiled graph that did these casts itself could fuse them away:
+// AOTInductor computes across a bf16 -> fp32 round trip without rounding, unlike the eager network).
 //
 // Each expert's rows are gathered into a contiguous block and multiplied by the expert's weights
 // with the engine's own per-format matmul (quant_matmul.cpp / quant_matmul_int8.cpp: run_tiles and
@@ -128,6 +131,10 @@ void expert_matmul(const ExpertWeights& w, int64_t expert, bool int8, const floa
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { run_tiles_int8(problem, begin, end); });
 }
 
+bool is_activation_type(at::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+
 bool int8_compute(c10::string_view compute) {
   if (compute == "int8") return true;
   TORCH_CHECK(compute == "fp32", "ifb_quant: unknown compute mode '", std::string(compute), "' (fp32, int8)");
@@ -137,21 +144,27 @@ bool int8_compute(c10::string_view compute) {
 at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights_,
                            const at::Tensor& gate_up, const at::Tensor& down, c10::string_view gate_up_format,
                            c10::string_view down_format, c10::string_view compute, int64_t intermediate) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-              "ifb_quant: x must be a CPU float32 tensor [rows, hidden], got ", x.sizes());
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && is_activation_type(dtype) && x.dim() == 2,
+              "ifb_quant: x must be a CPU float32, bfloat16 or float16 tensor [rows, hidden], got ", dtype, " ",
+              x.sizes());
   const int64_t rows = x.size(0), hidden = x.size(1);
   TORCH_CHECK(expert_ids.scalar_type() == at::kLong && expert_ids.dim() == 2 && expert_ids.size(0) == rows,
               "ifb_quant: expert_ids must be int64 [", rows, ", top_k], got ", expert_ids.sizes());
   const int64_t top_k = expert_ids.size(1);
-  TORCH_CHECK(expert_weights_.scalar_type() == at::kFloat && expert_weights_.sizes() == expert_ids.sizes(),
-              "ifb_quant: expert_weights must be float32 ", expert_ids.sizes(), ", got ", expert_weights_.sizes());
+  TORCH_CHECK(expert_weights_.scalar_type() == dtype && expert_weights_.sizes() == expert_ids.sizes(),
+              "ifb_quant: expert_weights must be ", dtype, " (x's dtype) ", expert_ids.sizes(), ", got ",
+              expert_weights_.scalar_type(), " ", expert_weights_.sizes());
   const int64_t num_experts = gate_up.dim() >= 1 ? gate_up.size(0) : 0;
   TORCH_CHECK(intermediate > 0 && num_experts > 0, "ifb_quant: need experts and intermediate > 0");
   const bool int8 = int8_compute(compute);
   const ExpertWeights up = expert_weights(gate_up, gate_up_format, num_experts, 2 * intermediate, hidden, "gate_up");
   const ExpertWeights dn = expert_weights(down, down_format, num_experts, hidden, intermediate, "down");
   TORCH_CHECK(!int8 || (!up.dense && !dn.dense), "ifb_quant: int8 compute needs block-format expert weights");
-  const at::Tensor xs = x.contiguous(), ids = expert_ids.contiguous(), ws = expert_weights_.contiguous();
+  // 16-bit activations and routing weights are widened exactly (no copy for float32); the sums run
+  // in float32 and the result is rounded to x's dtype once, here, where no compiler can drop it
+  const at::Tensor xs = x.to(at::kFloat).contiguous(), ids = expert_ids.contiguous();
+  const at::Tensor ws = expert_weights_.to(at::kFloat).contiguous();
   const int64_t* id = ids.const_data_ptr<int64_t>();
   // The rows of each expert, in row order (a counting sort): slot r * top_k + j of row r
   std::vector<int64_t> count(static_cast<size_t>(num_experts) + 1, 0);
@@ -165,7 +178,7 @@ at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, co
   std::vector<int64_t> next(count.begin(), count.end() - 1);
   for (int64_t s = 0; s < rows * top_k; ++s) slots[next[id[s]]++] = s;
   // Each slot's expert output, before its routing weight
-  at::Tensor outputs = at::empty({rows * top_k, hidden}, x.options());
+  at::Tensor outputs = at::empty({rows * top_k, hidden}, xs.options());
   float* out = outputs.mutable_data_ptr<float>();
   const float* xd = xs.const_data_ptr<float>();
   std::vector<float> gathered, hidden_up, act;
@@ -188,7 +201,7 @@ at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, co
     for (int64_t i = 0; i < m; ++i) std::copy_n(gathered.data() + i * hidden, hidden, out + slots[begin + i] * hidden);
   }
   // Each row's weighted sum over its slots in ascending expert id: depends on that row only
-  at::Tensor y = at::empty({rows, hidden}, x.options());
+  at::Tensor y = at::empty({rows, hidden}, xs.options());
   float* yd = y.mutable_data_ptr<float>();
   const float* wd = ws.const_data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t row_begin, int64_t row_end) {
@@ -202,7 +215,7 @@ at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, co
         for (int64_t c = 0; c < hidden; ++c) yr[c] += out[s * hidden + c] * wd[s];
     }
   });
-  return y;
+  return y.to(dtype);
 }
 
 }  // namespace

@@ -77,12 +77,14 @@ def _cpu_step(config: EngineConfig) -> StepBackend:
 
 def step_constants(config: EngineConfig) -> dict[str, torch.Tensor]:
     """What a package compiled without its weights needs: the mapped weights file (no copy) and
-    the rotary tables the network computes from its inv_freq."""
+    the rotary tables the network computes from its inv_freq, in float32 as the builder exported
+    them (builder/network_recipe.py keeps set_rope's tables; the network rounds the rows it reads
+    to the activations' dtype). Tables cast to a 16-bit engine's dtype were read as float32 by the
+    compiled step: a bf16 mixture of experts (the first 16-bit engine with external constants) put
+    wrong keys in its KV cache, its logits 2-5 x std off its eager network from the second token."""
     constants = map_weights(config.weights_path)
     inv_freq = constants.pop("rope.inv_freq")
-    tables = rope_constants(config.spec, inv_freq, config.rope_scaling, config.limits.max_seq_len)
-    dtype = getattr(torch, config.dtype)
-    return {**constants, **{name: table.to(dtype) for name, table in tables.items()}}
+    return {**constants, **rope_constants(config.spec, inv_freq, config.rope_scaling, config.limits.max_seq_len)}
 
 
 def _tensorrt_step(config: EngineConfig) -> StepBackend:

@@ -58,11 +58,12 @@ class MoeBlock(nn.Module):
         top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        top_weights = top_weights.to(x.dtype).float()  # transformers rounds them to the model dtype
-        # The op multiplies fp32 activations: a 16-bit engine's dense experts are widened weight by
-        # weight inside it, never copied whole
-        y = grouped_experts(
-            x.float(),
+        top_weights = top_weights.to(x.dtype)  # transformers rounds them to the model dtype
+        # The op takes x and the weights in the model dtype and returns its dtype, widening and
+        # rounding inside (a compiled graph drops a bf16 -> fp32 round trip's rounding); a 16-bit
+        # engine's dense experts are widened weight by weight there too, never copied whole
+        return grouped_experts(
+            x,
             top_ids,
             top_weights,
             self.experts_gate_up,
@@ -71,7 +72,6 @@ class MoeBlock(nn.Module):
             self.compute,
             self.intermediate_size,
         )
-        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         formats = "/".join(fmt.value for fmt in self.formats)

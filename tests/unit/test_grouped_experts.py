@@ -190,3 +190,21 @@ def test_k_quant_experts_of_two_formats(library: QuantLibrary, compute: WeightCo
             x[row : row + 1], ids[row : row + 1], weights[row : row + 1], *stacked, formats, compute, width
         )
         assert torch.equal(alone[0], ours[row]), row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_activations_are_widened_and_the_result_rounded_inside(
+    library: QuantLibrary, dtype: torch.dtype
+) -> None:
+    """A 16-bit engine passes x and the routing weights in its dtype: the result is the float32
+    op on them widened, rounded to that dtype once (bit for bit), so a compiled graph has no cast
+    around the op to fuse away. Routing weights of another dtype than x are refused by name."""
+    experts = Experts(None, WeightCompute.FP32, seed=4)
+    x = random_x(11, HIDDEN, seed=13).to(dtype)
+    ids, weights = routing(11, seed=14)
+    weights = weights.to(dtype)
+    ours = experts(x, ids, weights)
+    assert ours.dtype == dtype
+    assert torch.equal(ours, experts(x.float(), ids, weights.float()).to(dtype))
+    with pytest.raises(RuntimeError, match="expert_weights must be"):
+        experts(x, ids, weights.float())
