@@ -53,6 +53,7 @@ struct Block {
   V scale[2];         // per 16-weight half (equal unless Q6_K): d, or d * sc for the K-quants
   V offset;           // m (Q4_1/Q5_1) or dmin * m (Q4_K/Q5_K)
   QI int_scale[2];    // Q6_K: the int8 scales of the two 16-weight halves
+  V float_scale[2];   // Q6_K: the same as fp32 (exact)
   QI high[2];         // Q5: the block's 5th bits; Q6_K: its 2-bit high parts (two vectors)
   const uint8_t* quants;
 
@@ -95,7 +96,8 @@ struct Block {
       static_assert(F == Format::kQ6_K, "Block<F>: a format of block_format_table.h without a decoder");
       for (int h = 0; h < 2; ++h) {
         int_scale[h] = bytes_signed(base + 32 + 16 * (2 * sub + h));
-        scale[h] = mul(d, to_float(int_scale[h]));
+        float_scale[h] = to_float(int_scale[h]);
+        scale[h] = mul(d, float_scale[h]);
         high[h] = load_bytes(base + 288 + 384 * sub + 64 * h);
       }
       quants = base + 288 + 384 * sub + 128;

@@ -58,6 +58,13 @@ constexpr int tiles_for(int rows) {
 }
 #endif
 
+// Q6_K's integer accumulators of a block start at -32 x the sum of their 16-weight half's
+// activations: that is its zero point (w = sc (q - 32) d), folded into exact integers.
+inline void q6_k_start(const Int8Problem& p, int64_t at, QI& first, QI& second) {
+  first = splat(-32 * p.x_half_sums[2 * at]);
+  second = splat(-32 * p.x_half_sums[2 * at + 1]);
+}
+
 // The integer accumulator's start for a block whose activations sum to `sum_x`: it folds the
 // zero points of Q4_0 (-8) and Q5_0 (-16) and the VNNI path's +128 on signed weights into exact
 // integer arithmetic. (Q6_K's -32 is applied per 16-weight half, with its scales.)
@@ -91,6 +98,37 @@ constexpr bool caches_scales() {
   return F == Format::kQ4_K || F == Format::kQ5_K;
 }
 
+// acc plus one 32-block's term for one row and one tile: `dot` is the block's integer dot (Q6_K: of
+// the first 16-weight half, `second` of the other), `at` the row's block index into x_scales.
+template <Format F>
+inline V finish_block(const Int8Problem& p, const Block<F>& w, int64_t at, QI dot, QI second, V acc) {
+  if constexpr (F == Format::kQ6_K) {
+    // sc0 (dot0 - 32 s0) + sc1 (dot1 - 32 s1), the dots having started at -32 s (q6_k_start):
+    // |dot_h - 32 s_h| <= 16 * 32 * 127 and |sc| <= 128, so both products and their sum are
+    // integers below 2^24 (<= 2 * 128 * 16 * 32 * 127), exact in fp32: the one rounding of the
+    // fma is no rounding, and this is the int32 sum's value (its int32 mullo cost 2 uops each).
+    const V sum = fmadd(to_float(dot), w.float_scale[0], mul(to_float(second), w.float_scale[1]));
+    return fmadd(sum, mul(w.d, broadcast(p.x_scales[at])), acc);
+  } else {
+    acc = fmadd(to_float(dot), mul(w.scale[0], broadcast(p.x_scales[at])), acc);
+    if constexpr (F == Format::kQ4_1 || F == Format::kQ5_1) acc = fmadd(w.offset, broadcast(p.x_scaled_sums[at]), acc);
+    if constexpr (F == Format::kQ4_K || F == Format::kQ5_K) acc = fnmadd(w.offset, broadcast(p.x_scaled_sums[at]), acc);
+    return acc;
+  }
+}
+
+// The decoded Block<F> of 32-block b of a tile (see int8_tiles' `scales`).
+template <Format F>
+inline Block<F> tile_block(const uint8_t* tile, int64_t b, const V* scales, int64_t num_blocks, int t) {
+  if constexpr (caches_scales<F>()) {
+    if (scales != nullptr) {
+      const V* decoded = scales + 2 * (t * num_blocks + b);
+      return Block<F>::with_scales(tile, b, decoded[0], decoded[1]);
+    }
+  }
+  return Block<F>(tile, b);
+}
+
 // Rows [row0, row0 + R) x tiles [tile0, tile0 + T), all of K. `scales`: the decoded scales of
 // tile0 onward (caches_scales formats, many rows), or null to decode them here.
 template <Format F, int R, int T>
@@ -107,23 +145,15 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scal
     for (int t = 0; t < T; ++t) acc[r][t] = zero();
   for (int64_t b = 0; b < num_blocks; ++b) {
     Block<F> blocks[T];
-    for (int t = 0; t < T; ++t) {
-      const uint8_t* tile = p.packed + (tile0 + t) * stride;
-      if constexpr (caches_scales<F>()) {
-        if (scales != nullptr) {
-          const V* decoded = scales + 2 * (t * num_blocks + b);
-          blocks[t] = Block<F>::with_scales(tile, b, decoded[0], decoded[1]);
-          continue;
-        }
-      }
-      blocks[t] = Block<F>(tile, b);
-    }
+    for (int t = 0; t < T; ++t) blocks[t] = tile_block<F>(p.packed + (tile0 + t) * stride, b, scales, num_blocks, t);
     QI dots[kChains][R][T];
     for (int r = 0; r < R; ++r) {
-      const QI start = splat(dot_start<F>(p.x_sums[(row0 + r) * p.blocks_row_stride + b]));
+      const int64_t at = (row0 + r) * p.blocks_row_stride + b;
+      QI start = splat(dot_start<F>(p.x_sums[at])), second = splat(0);
+      if constexpr (F == Format::kQ6_K) q6_k_start(p, at, start, second);
       for (int t = 0; t < T; ++t) {
         dots[0][r][t] = start;
-        if constexpr (kChains == 2) dots[1][r][t] = splat(0);
+        if constexpr (kChains == 2) dots[1][r][t] = second;
       }
     }
     const int8_t* xb = p.xq + row0 * p.xq_row_stride + b * kBlockSize;
@@ -155,24 +185,10 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scal
       }
     }
     for (int t = 0; t < T; ++t) {
-      const Block<F>& w = blocks[t];
       for (int r = 0; r < R; ++r) {
-        const int64_t at = (row0 + r) * p.blocks_row_stride + b;
-        if constexpr (F == Format::kQ6_K) {
-          // sc0 (dot0 - 32 s0) + sc1 (dot1 - 32 s1), exact in int32 and in fp32: |.| <= 2 * 128 * 16 * 32 * 127 < 2^24.
-          const int32_t* half_sums = p.x_half_sums + 2 * at;
-          const QI first = mullo(sub(dots[0][r][t], splat(32 * half_sums[0])), w.int_scale[0]);
-          const QI second = mullo(sub(dots[1][r][t], splat(32 * half_sums[1])), w.int_scale[1]);
-          acc[r][t] = fmadd(to_float(add(first, second)), mul(w.d, broadcast(p.x_scales[at])), acc[r][t]);
-        } else {
-          QI dot = dots[0][r][t];
-          if constexpr (kChains == 2) dot = add(dot, dots[1][r][t]);
-          acc[r][t] = fmadd(to_float(dot), mul(w.scale[0], broadcast(p.x_scales[at])), acc[r][t]);
-          if constexpr (F == Format::kQ4_1 || F == Format::kQ5_1)
-            acc[r][t] = fmadd(w.offset, broadcast(p.x_scaled_sums[at]), acc[r][t]);
-          if constexpr (F == Format::kQ4_K || F == Format::kQ5_K)
-            acc[r][t] = fnmadd(w.offset, broadcast(p.x_scaled_sums[at]), acc[r][t]);
-        }
+        QI dot = dots[0][r][t];
+        if constexpr (kChains == 2 && !kSplitHalves) dot = add(dot, dots[1][r][t]);
+        acc[r][t] = finish_block<F>(p, blocks[t], (row0 + r) * p.blocks_row_stride + b, dot, dots[kChains - 1][r][t], acc[r][t]);
       }
     }
   }
@@ -182,6 +198,93 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scal
   }
 }
 
+#if defined(IFB_SIMD16_AVX512)
+// Many rows: the weight-stationary block. A 32-block's unpacked weights of T tiles (8 x T
+// vectors) stay in registers while up to kWideRows rows run their dots against them, one row
+// after another; the rows' fp32 sums live in L1 (`sums`), so their loads and stores go to the
+// load and store ports, not the two vector ports that the dot instructions, the unpack and the
+// epilogue share. Each unpacked weight vector then serves kWideRows rows, not kRows (the 4 x 2
+// register block needs all 32 registers for its fp32 and int32 accumulators and weights, and
+// 8 x 2 spilled: 20% slower). Per row and tile the operations are the register block's, in the
+// same order: the same bits.
+constexpr int kWideRows = 8;
+
+template <Format F, int T>
+void int8_tiles_wide(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scales) {
+  constexpr int R = kWideRows;
+  const int64_t num_blocks = p.k / kBlockSize;
+  const int64_t stride = tile_stride<F>(p.k);
+  constexpr bool kSplitHalves = F == Format::kQ6_K;
+  constexpr int kChains = kSplitHalves ? 2 : 1;
+  alignas(64) float sums[R][T][kTileColumns];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) store(sums[r][t], zero());
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    Block<F> blocks[T];
+    for (int t = 0; t < T; ++t) blocks[t] = tile_block<F>(p.packed + (tile0 + t) * stride, b, scales, num_blocks, t);
+    QI dots[kChains][R][T];
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row0 + r) * p.blocks_row_stride + b;
+      QI start = splat(dot_start<F>(p.x_sums[at])), second = splat(0);
+      if constexpr (F == Format::kQ6_K) q6_k_start(p, at, start, second);
+      for (int t = 0; t < T; ++t) {
+        dots[0][r][t] = start;
+        if constexpr (kChains == 2) dots[1][r][t] = second;
+      }
+    }
+    const int8_t* xb = p.xq + row0 * p.xq_row_stride + b * kBlockSize;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {  // per column the 4 weights of k = 4j .. 4j + 3, as the activations' lane j
+      QI w[T];
+      for (int t = 0; t < T; ++t) {
+        if constexpr (F == Format::kQ8_0) {
+          w[t] = load_bytes(blocks[t].quants + 64 * j);
+        } else {
+          QI lo, hi;
+          blocks[t].int8_group(j / 2, lo, hi);  // (the compiler merges the two calls per group)
+          w[t] = j % 2 == 0 ? lo : hi;
+        }
+      }
+      const int chain = kSplitHalves ? j / 4 : 0;  // Q6_K: the 16-weight halves apart (own scales)
+      for (int r = 0; r < R; ++r) {
+        const QI x = splat(load_lane(xb + r * p.xq_row_stride + 4 * j));
+        for (int t = 0; t < T; ++t) {
+          if constexpr (F == Format::kQ8_0) dots[chain][r][t] = dot_signed(dots[chain][r][t], w[t], x);
+          else dots[chain][r][t] = dot_unsigned(dots[chain][r][t], w[t], x);
+        }
+      }
+    }
+    // The sums' address made opaque to the compiler each block: otherwise gcc keeps all 16 in
+    // registers across blocks and spills the dots instead (measured: slower than 4 x 2).
+    float* in_l1 = &sums[0][0][0];
+    __asm__("" : "+r"(in_l1));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row0 + r) * p.blocks_row_stride + b;
+      for (int t = 0; t < T; ++t) {
+        float* sum = in_l1 + (r * T + t) * kTileColumns;
+        store(sum, finish_block<F>(p, blocks[t], at, dots[0][r][t], dots[kChains - 1][r][t], load(sum)));
+      }
+    }
+  }
+  __asm__("" ::: "memory");  // (the stores through in_l1 land before these loads)
+  for (int t = 0; t < T; ++t) {
+    const int64_t col0 = (tile0 + t) * kTileColumns;
+    for (int r = 0; r < R; ++r) store_columns(p.y + (row0 + r) * p.y_row_stride + col0, load(sums[r][t]), p.n - col0);
+  }
+}
+
+template <Format F>
+void wide_block(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0, const V* scales) {
+  // Q6_K's two chains per row and tile (its 16-weight halves) take 8 x 2 x 2 registers: one tile.
+  constexpr int T = F == Format::kQ6_K ? 1 : 2;
+  const int64_t per_tile = 2 * (p.k / kBlockSize);
+  const auto at = [&](int64_t tile) { return scales == nullptr ? nullptr : scales + (tile - tile0) * per_tile; };
+  int64_t tile = tile0;
+  for (; tile + T <= tile0 + tiles; tile += T) int8_tiles_wide<F, T>(p, tile, row0, at(tile));
+  for (; tile < tile0 + tiles; ++tile) int8_tiles_wide<F, 1>(p, tile, row0, at(tile));
+}
+#endif
+
 // Tiles are walked in groups of kGroupTiles (quant_kernels.h; their weights stay in L2 while
 // every row block reads them); within a group each row block takes tiles_for<F>(rows) tiles per call.
 //
@@ -189,7 +292,7 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scal
 // block loads them: decoding is ~12 vector ops per tile and sub-block, which a 4-row block
 // otherwise repeats for its 64 dot instructions (Q4_K 4096x2048, one core: +11% at 512 rows,
 // +6% at 64; the median of 7 alternated runs each).
-constexpr int64_t kScaleCacheRows = 2 * kRows;
+constexpr int64_t kScaleCacheRows = 8;
 
 template <Format F, int R>
 void row_block(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0, const V* scales) {
@@ -232,8 +335,18 @@ void run_format(const Int8Problem& p, int64_t tile_begin, int64_t tile_end) {
     const int64_t tiles = std::min<int64_t>(kGroupTiles, tile_end - tile0);
     if (cache) decode_scales<F>(p, tile0, tiles, scales.data());
     const V* decoded = cache ? scales.data() : nullptr;
-    for (int64_t row0 = 0; row0 < p.m; row0 += kRows)
-      kBlocks[std::min<int64_t>(kRows, p.m - row0) - 1](p, tile0, tiles, row0, decoded);
+    for (int64_t row0 = 0; row0 < p.m;) {
+      const int64_t left = p.m - row0;
+#if defined(IFB_SIMD16_AVX512)
+      if (left >= kWideRows) {
+        wide_block<F>(p, tile0, tiles, row0, decoded);
+        row0 += kWideRows;
+        continue;
+      }
+#endif
+      kBlocks[std::min<int64_t>(kRows, left) - 1](p, tile0, tiles, row0, decoded);
+      row0 += std::min<int64_t>(kRows, left);
+    }
   }
 }
 
