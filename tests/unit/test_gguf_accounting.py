@@ -77,9 +77,10 @@ def default_inv_freq() -> torch.Tensor:
     return 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
 
 
-def test_mixture_of_experts_llama_is_named_as_one(llama_gguf: Path, tmp_path: Path) -> None:
-    """A Mixtral-style `llama` file (expert keys, stacked expert tensors, no dense MLP) is refused
-    as a mixture of experts, naming the keys and tensors, not for the dense tensors it lacks."""
+def test_mixture_of_experts_llama_reads_as_mixtral(llama_gguf: Path, tmp_path: Path) -> None:
+    """A Mixtral-style `llama` file (expert keys, stacked expert tensors, no dense MLP) is read as
+    the Mixtral it is (builder/families/mixtral.py; tests/e2e/test_moe_mixtral.py runs one), not
+    refused for the dense tensors it lacks; with a shared expert beside them it is refused by name."""
     experts = {
         f"blk.0.ffn_{part}_exps.weight": (np.zeros((4, 64, 256) if part != "down" else (4, 256, 64), np.float32), None)
         for part in ("gate", "up", "down")
@@ -92,10 +93,13 @@ def test_mixture_of_experts_llama_is_named_as_one(llama_gguf: Path, tmp_path: Pa
         tensors=experts,
         drop=tuple(f"blk.0.ffn_{part}.weight" for part in ("gate", "up", "down")),
     )
-    with pytest.raises(UnsupportedModelError, match="mixture of experts") as error:
-        gguf_config(path)
-    assert "llama.expert_count = 4" in str(error.value) and "blk.0.ffn_gate_exps.weight" in str(error.value)
-    assert "lacks" not in str(error.value)
+    config = gguf_config(path)
+    assert (config.model_type, config.num_local_experts, config.num_experts_per_tok) == ("mixtral", 4, 2)
+    shared = rewrite(
+        path, tmp_path / "shared.gguf", tensors={"blk.0.ffn_up_shexp.weight": experts["blk.0.ffn_gate_inp.weight"]}
+    )
+    with pytest.raises(UnsupportedModelError, match=r"llama GGUF has shared experts \(blk.0.ffn_up_shexp.weight"):
+        gguf_config(shared)
 
 
 @pytest.mark.parametrize(
