@@ -22,7 +22,7 @@ from ifb.cli.many_models import router_app
 from ifb.cli.run_command import make_router, run
 from ifb.runtime.runtime_config import RouterSettings, ServerSettings
 from ifb.runtime.sampling_params import SamplingParams
-from ifb.runtime.server.model_memory import GB, target_need
+from ifb.runtime.server.model_memory import GB, OVERHEAD_BYTES, target_need
 from ifb.runtime.server.model_pool import NoRoomError
 from ifb.runtime.server.model_router import ModelRouter
 
@@ -177,6 +177,10 @@ def test_models_dir_names_models_by_folder_and_stem(
     context = run.make_context("run", ["--models-dir", str(tmp_path)])
     router = make_router(context.params["targets"], context.params)
     assert router.pool.names == ("llama", "qwen", "small")
+    small = router.pool.status("small")  # not built: its need estimated from the file's size (0 bytes here)
+    assert (small["memory_bytes"], small["memory_estimated"]) == (OVERHEAD_BYTES, True)
+    assert "estimated" in small["memory_detail"]
+    assert router.pool.status("llama")["memory_bytes"] == target_need(str(tiny_llama_engine)).bytes
 
 
 def test_a_model_that_cannot_fit_is_refused_and_one_load_serves_every_waiter(
