@@ -178,8 +178,12 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scal
           const QI x_lo = splat(load_lane(xb + r * p.xq_row_stride + 8 * g));
           const QI x_hi = splat(load_lane(xb + r * p.xq_row_stride + 8 * g + 4));
           for (int t = 0; t < T; ++t) {
-            dots[lo_chain][r][t] = dot_unsigned(dots[lo_chain][r][t], lo[t], x_lo);
-            dots[hi_chain][r][t] = dot_unsigned(dots[hi_chain][r][t], hi[t], x_hi);
+            if constexpr (kPairedDots) {  // (one chain: the int16 sum of both feeds one madd)
+              dots[lo_chain][r][t] = dot_unsigned2(dots[lo_chain][r][t], lo[t], x_lo, hi[t], x_hi);
+            } else {
+              dots[lo_chain][r][t] = dot_unsigned(dots[lo_chain][r][t], lo[t], x_lo);
+              dots[hi_chain][r][t] = dot_unsigned(dots[hi_chain][r][t], hi[t], x_hi);
+            }
           }
         }
       }
@@ -233,6 +237,7 @@ void int8_tiles_wide(const Int8Problem& p, int64_t tile0, int64_t row0, const V*
       }
     }
     const int8_t* xb = p.xq + row0 * p.xq_row_stride + b * kBlockSize;
+    QI previous[T];  // the maddubs paths pair lane j - 1's weights with lane j's
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {  // per column the 4 weights of k = 4j .. 4j + 3, as the activations' lane j
       QI w[T];
@@ -249,10 +254,19 @@ void int8_tiles_wide(const Int8Problem& p, int64_t tile0, int64_t row0, const V*
       for (int r = 0; r < R; ++r) {
         const QI x = splat(load_lane(xb + r * p.xq_row_stride + 4 * j));
         for (int t = 0; t < T; ++t) {
-          if constexpr (F == Format::kQ8_0) dots[chain][r][t] = dot_signed(dots[chain][r][t], w[t], x);
-          else dots[chain][r][t] = dot_unsigned(dots[chain][r][t], w[t], x);
+          if constexpr (F == Format::kQ8_0) {
+            dots[chain][r][t] = dot_signed(dots[chain][r][t], w[t], x);
+          } else if constexpr (kPairedDots) {  // lanes j - 1 and j in one step (j odd), same chain
+            if (j % 2 == 1) {
+              const QI x_lo = splat(load_lane(xb + r * p.xq_row_stride + 4 * (j - 1)));
+              dots[chain][r][t] = dot_unsigned2(dots[chain][r][t], previous[t], x_lo, w[t], x);
+            }
+          } else {
+            dots[chain][r][t] = dot_unsigned(dots[chain][r][t], w[t], x);
+          }
         }
       }
+      for (int t = 0; t < T; ++t) previous[t] = w[t];
     }
     // The sums' address made opaque to the compiler each block: otherwise gcc keeps all 16 in
     // registers across blocks and spills the dots instead (measured: slower than 4 x 2).
