@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import click
 
+from ifb.build_progress import BUILDS
 from ifb.runtime.engine_format import ENGINE_JSON
 from ifb.runtime.runtime_config import RouterSettings, ServerSettings
 from ifb.runtime.server.model_memory import MemoryNeed, target_need
@@ -66,7 +68,10 @@ def router_app(
 ) -> ModelRouter:
     """The router over the models; `load(target)` makes one's LLM (called on a worker thread)."""
     named = named_targets(targets, router, server.served_model_names)
-    specs = [ModelSpec(name, _loader(load, target), target, _sizer(target)) for name, target in named]
+    specs = [
+        ModelSpec(name, _loader(load, target), target, _sizer(target), progress=partial(BUILDS.report, target))
+        for name, target in named
+    ]
     logger.info("serving %d models: %s", len(specs), ", ".join(f"{n} ({t})" for n, t in named))
     return create_models_app(
         specs,

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from ifb.build_progress import BUILDS, forwarded_stages, report_stage, start_child
 from ifb.builder.backends import STEP_PACKAGE
 from ifb.builder.build import (
     TOKENIZER_DIR,
@@ -124,22 +126,34 @@ def find_or_build_engine(
                 return candidate
     output = engines_dir / engine_name(source, options)
     logger.info("no engine under %s matches %s; building %s", engines_dir, source.name, output)
-    build_in_child_process(target, output, options)
+    progress_key = str(target)  # the router asks BUILDS by its target (cli/many_models.py)
+    try:
+        build_in_child_process(target, output, options, on_stage=BUILDS.on_stage(progress_key))
+    finally:
+        BUILDS.finished(progress_key)
     _remember(engines_dir, EngineConfig.load(output, verify=False).build_id)
     return output
 
 
-def build_in_child_process(target: str | Path | None, output: Path, options: BuildOptions) -> BuildSummary:
+def build_in_child_process(
+    target: str | Path | None,
+    output: Path,
+    options: BuildOptions,
+    on_stage: Callable[[str], None] = lambda stage: None,
+) -> BuildSummary:
     """The builder, called as a library in a fresh (spawned) process: the serving process keeps no
     OpenMP thread team of the builder's (see runtime/executor.py) and none of its memory.
-    A BuildError raised there is raised here."""
+    Each stage the build enters is handed to `on_stage` here; a BuildError raised there is raised here."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_build, target, output, options).result()
+    with forwarded_stages(context, on_stage) as stages:
+        with ProcessPoolExecutor(
+            max_workers=1, mp_context=context, initializer=start_child, initargs=(stages,)
+        ) as pool:
+            return pool.submit(_build, target, output, options).result()
 
 
 def _build(target: str | Path | None, output: Path, options: BuildOptions) -> BuildSummary:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = build_engine(target, output, options, on_stage=lambda stage: logger.info("build: %s", stage))
+    summary = build_engine(target, output, options, on_stage=report_stage)
     logger.info("built %s in %.1fs", summary.output, summary.seconds)
     return summary

@@ -58,6 +58,8 @@ class ModelSpec:
     load: Callable[[], LoadedModel]
     where: str  # the engine folder or source, for /v1/models and the log
     need: Callable[[], MemoryNeed] | None = None  # before it loads (--models-memory); None: not sized
+    # while it loads: the stage of its build, if one runs ({"stage", "stage_for_s"}), else None
+    progress: Callable[[], dict[str, Any] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -232,6 +234,9 @@ class ModelPool:
         status: dict[str, Any] = {"state": slot.state.value, "in_flight": slot.in_flight}
         if slot.state is ModelState.LOADING:
             status["loading_for_s"] = round(self.clock() - slot.load_started, 1)
+            build = slot.spec.progress() if slot.spec.progress is not None else None
+            if build is not None:
+                status["build"] = build
         if slot.last_error is not None:
             status["last_error"] = slot.last_error
         if slot.spec.need is not None or slot.need is not None:

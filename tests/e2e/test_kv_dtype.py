@@ -175,7 +175,7 @@ def test_run_source_adopts_only_an_engine_with_the_same_kv_dtype(
     assert find_or_build.find_or_build_engine(str(tiny_llama_dir), kv16_options, engines) == adopted
     built: list[Path] = []
 
-    def fake_build(target: object, output: Path, options: BuildOptions) -> None:
+    def fake_build(target: object, output: Path, options: BuildOptions, **_: object) -> None:
         built.append(output)
         raise RuntimeError("would build")
 

@@ -75,7 +75,7 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Where find_or_build would build (the build itself replaced by writing a recorded engine)."""
     outputs: list[Path] = []
 
-    def fake_build(target: Any, output: Path, request: BuildOptions) -> None:
+    def fake_build(target: Any, output: Path, request: BuildOptions, **_: object) -> None:
         output.mkdir(parents=True)
         record = engine_for(Path(target), request, build_id=f"new-{len(outputs)}").to_json()
         (output / ENGINE_JSON).write_text(json.dumps(record))
