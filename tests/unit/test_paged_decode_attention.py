@@ -5,7 +5,7 @@ scattered over the pool, the kernel's output is within fp32 rounding of `_decode
 over gathered K/V; a request's output is bitwise the same alone, in a batch, in another
 position, and with 1 or 2 threads; a sliding window reads each row's last keys only; Gemma 2's
 soft-cap bends each score as the torch path does, windowed or not; AVX2 and AVX-512 builds give
-the same bits; bad tables are refused instead of read out of bounds.
+the same bits (q8_0 pools too); bad tables are refused instead of read out of bounds.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ifb.plugins.attention import _decode_attention, _gather_blocks
+from ifb.plugins.kv_format import quantize_q8_0
 from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
 
 BLOCK = 16
@@ -184,7 +185,7 @@ torch.save([torch.ops.ifb_quant.paged_decode_attention(*case, 16, 0.125) for cas
 @pytest.mark.parametrize("isa", [QuantIsa.AVX2, QuantIsa.AVX512])
 def test_other_isa_builds_give_the_same_bits(kernel_library: QuantLibrary, tmp_path: Path, isa: QuantIsa) -> None:
     """AVX2 (two ymm per 16-lane vector) and AVX-512 builds attend to exactly this build's bits,
-    every pool dtype: an engine's batch invariance holds on each ISA path it can be built for."""
+    every pool dtype, q8_0 rows included: an engine's batch invariance holds on each ISA path it can be built for."""
     if isa.value == kernel_library.isa.value:
         pytest.skip(f"{isa.value} is this machine's own build")
     other = build_quant_library(tmp_path / isa.value, isa)
@@ -195,6 +196,9 @@ def test_other_isa_builds_give_the_same_bits(kernel_library: QuantLibrary, tmp_p
         for index, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16))
     ]
     cases.append(case(4, 4, 2, 16, torch.float32, seed=7))
+    for heads, kv_heads, head_dim, seed in ((9, 3, 64, 8), (4, 2, 16, 9)):  # --kv-dtype q8_0 pools
+        q, k_pool, v_pool, tables, lengths = case(5, heads, kv_heads, head_dim, torch.float32, seed)
+        cases.append((q, quantize_q8_0(k_pool), quantize_q8_0(v_pool), tables, lengths))
     torch.save(cases, tmp_path / "cases.pt")
     command = [
         sys.executable,
