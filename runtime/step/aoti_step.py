@@ -38,6 +38,19 @@ def _extract_model_library(package: Path, into: Path) -> Path:
         return Path(archive.extract(libraries[0], into))
 
 
+# c10::ScalarType codes (what AOTInductorModelContainerGetConstantDtype returns) of the dtypes an
+# engine's constants take; a code not listed is not checked.
+_SCALAR_TYPES = {
+    0: torch.uint8,
+    1: torch.int8,
+    3: torch.int32,
+    4: torch.int64,
+    5: torch.float16,
+    6: torch.float32,
+    15: torch.bfloat16,
+}
+
+
 class _ConstantEntry(ctypes.Structure):
     """AOTInductorConstantMapEntry: a C struct, so no std::unordered_map crosses into the library."""
 
@@ -72,6 +85,13 @@ class _Container:
         value = ctypes.c_char_p()
         self._check(getattr(self.lib, function)(self.handle, ctypes.c_size_t(index), ctypes.byref(value)), function)
         return (value.value or b"").decode()
+
+    def constant_dtype(self, index: int) -> int:
+        """The c10 ScalarType code the library was compiled for its constant `index`."""
+        value = ctypes.c_int32()
+        function = "AOTInductorModelContainerGetConstantDtype"
+        self._check(getattr(self.lib, function)(self.handle, ctypes.c_size_t(index), ctypes.byref(value)), function)
+        return value.value
 
     def constant_names(self) -> dict[str, str]:
         """Each constant's name in the library -> the network's name for it (its original FQN)."""
@@ -132,11 +152,19 @@ class AotiStep:
             self._container.use_constants(self._constants)
 
     def _bind(self, constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The library's constant names -> the given tensors, each of the dtype it was compiled
+        for: the library reads a constant's bytes as that dtype, so a mismatch is refused here
+        (a bf16 copy of fp32 rotary tables once gave a bf16 MoE engine wrong keys, silently)."""
         bound: dict[str, torch.Tensor] = {}
-        for name, fqn in self._container.constant_names().items():
+        for index, (name, fqn) in enumerate(self._container.constant_names().items()):
             tensor = constants.get(fqn)
             if tensor is None:
                 raise EngineFormatError(f"the compiled step needs constant {name!r} ({fqn!r}), not in the weights file")
+            expected = _SCALAR_TYPES.get(self._container.constant_dtype(index))
+            if expected is not None and tensor.dtype != expected:
+                raise EngineFormatError(
+                    f"the compiled step reads constant {fqn!r} as {expected}, but it was given {tensor.dtype}"
+                )
             bound[name] = tensor
         return bound
 
