@@ -21,10 +21,19 @@ from __future__ import annotations
 
 import torch
 
-from ifb.runtime.engine_format import KV_Q8_0, kv_row_bytes, q8_0_block
-
+Q8_0_BLOCK = 32  # values per fp16 scale, as llama.cpp's Q8_0
 Q8_0_POOL_DTYPE = torch.uint8  # the dtype that marks a pool as q8_0 rows
 Q8_0_MAX = 127
+
+
+def q8_0_block(head_dim: int) -> int:
+    """Values per scale of a q8_0 head vector: 32, or the whole head where head_dim is 16."""
+    return min(Q8_0_BLOCK, head_dim)
+
+
+def q8_0_row_bytes(head_dim: int) -> int:
+    """Bytes of one head's q8_0 row: its int8 values, then its fp16 scales."""
+    return head_dim + 2 * (head_dim // q8_0_block(head_dim))
 
 
 def is_q8_0(pool: torch.Tensor) -> bool:
@@ -52,7 +61,7 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
 def q8_0_head_dim(row_bytes: int) -> int:
     """The head_dim of a q8_0 row of `row_bytes` (the inverse of `kv_row_bytes`: 18 -> 16, 68 -> 64)."""
     head_dim = 16 if row_bytes == 18 else row_bytes * 16 // 17
-    if kv_row_bytes(head_dim, KV_Q8_0) != row_bytes:
+    if q8_0_row_bytes(head_dim) != row_bytes:
         raise ValueError(f"{row_bytes} bytes is no q8_0 row (head_dim 16 or a multiple of 32)")
     return head_dim
 

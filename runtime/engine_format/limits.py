@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ifb.plugins.kv_format import Q8_0_BLOCK, q8_0_block, q8_0_row_bytes
 from ifb.runtime.engine_format.model_spec import ModelSpec
 
 # What `--dtype` accepts, in the spellings vLLM and TensorRT-LLM users type, -> torch dtype names.
@@ -24,7 +25,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # and one fp16 scale (a head of 16 is one block of 16), stored as the bytes of one uint8 pool row
 # [head_dim int8 | head_dim / block fp16 scales] (plugins/kv_format.py reads and writes them).
 KV_Q8_0 = "q8_0"
-KV_Q8_0_BLOCK = 32
+KV_Q8_0_BLOCK = Q8_0_BLOCK
 KV_DTYPES = (*DTYPE_BYTES, KV_Q8_0)  # what an engine's KV pool may store (engine.json `kv_dtype`)
 
 
@@ -48,11 +49,6 @@ class EngineLimits:
         return asdict(self)
 
 
-def q8_0_block(head_dim: int) -> int:
-    """Values per scale of a q8_0 head vector: 32, or the whole head where head_dim is 16."""
-    return min(KV_Q8_0_BLOCK, head_dim)
-
-
 def kv_format_error(head_dim: int, kv_dtype: str) -> str | None:
     """Why a pool of `kv_dtype` cannot hold heads of `head_dim`, or None: q8_0 needs whole blocks
     of a multiple of 16 values (the decode kernel loads 16 values under one scale)."""
@@ -67,7 +63,7 @@ def kv_format_error(head_dim: int, kv_dtype: str) -> str | None:
 def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
     """Bytes of one head's K (or V) vector of one token in a pool of `kv_dtype`."""
     if kv_dtype == KV_Q8_0:
-        return head_dim + 2 * (head_dim // q8_0_block(head_dim))  # int8 values, then fp16 scales
+        return q8_0_row_bytes(head_dim)
     return head_dim * DTYPE_BYTES[kv_dtype]
 
 
