@@ -12,9 +12,10 @@ from typing import Any
 import click
 
 from ifb.build_progress import BUILDS
+from ifb.cli.model_needs import loaded_need, target_need
 from ifb.runtime.engine_format import ENGINE_JSON
 from ifb.runtime.runtime_config import RouterSettings, ServerSettings
-from ifb.runtime.server.model_memory import MemoryNeed, target_need
+from ifb.runtime.server.model_memory import MemoryNeed
 from ifb.runtime.server.model_pool import LoadedModel, ModelSpec
 from ifb.runtime.server.model_router import ModelRouter, create_models_app
 
@@ -69,7 +70,14 @@ def router_app(
     """The router over the models; `load(target)` makes one's LLM (called on a worker thread)."""
     named = named_targets(targets, router, server.served_model_names)
     specs = [
-        ModelSpec(name, _loader(load, target), target, _sizer(target), progress=partial(BUILDS.report, target))
+        ModelSpec(
+            name,
+            _loader(load, target),
+            target,
+            _sizer(target),
+            loaded_need=loaded_need,
+            progress=partial(BUILDS.report, target),
+        )
         for name, target in named
     ]
     logger.info("serving %d models: %s", len(specs), ", ".join(f"{n} ({t})" for n, t in named))

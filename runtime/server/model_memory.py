@@ -1,16 +1,12 @@
-"""What a model of the router holds in memory (--models-memory): its engine's weight bytes, KV
-pool bytes and a stated per-model overhead, read from engine.json, or estimated from the source's
-file size before it is built; and which idle models to unload so that another one fits."""
+"""What a model of the router holds in memory (--models-memory) as the pool sees it, and which idle
+models to unload so that another one fits. How a need is measured (engine.json, or a source's file
+size before it is built) is cli/model_needs.py's: the server reads no engine file itself."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-
-from ifb.runtime.engine_format import ENGINE_JSON
-from ifb.runtime.engine_format.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,32 +24,6 @@ class MemoryNeed:
     bytes: int
     detail: str
     estimated: bool = False
-
-
-def engine_need(config: EngineConfig) -> MemoryNeed:
-    """An engine's need: its weights file and step package (a dense engine's step package holds
-    its prepacked weights) as stored, its KV pool as engine.json states it, plus OVERHEAD_BYTES."""
-    weights = config.weights_path.stat().st_size + config.step_package_path.stat().st_size
-    kv = config.kv_pool_bytes
-    detail = f"weights {_gb(weights)} + KV pool {_gb(kv)} + overhead {_gb(OVERHEAD_BYTES)} (engine.json)"
-    return MemoryNeed(weights + kv + OVERHEAD_BYTES, detail)
-
-
-def target_need(target: str) -> MemoryNeed:
-    """A TARGET's need before it loads: exact for an engine folder; for a GGUF file or a checkpoint
-    folder not built yet, estimated as its files' size plus OVERHEAD_BYTES (the KV pool is not known
-    until the build: the measured need replaces the estimate once the model has loaded)."""
-    path = Path(target)
-    if (path / ENGINE_JSON).is_file():
-        return engine_need(EngineConfig.load(path, verify=False))
-    if path.is_file():
-        size = path.stat().st_size
-    elif path.is_dir():
-        size = sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
-    else:
-        size = 0  # a hub id: nothing here to size until it is fetched and built
-    detail = f"estimated: source files {_gb(size)} + overhead {_gb(OVERHEAD_BYTES)}, KV pool unknown until built"
-    return MemoryNeed(size + OVERHEAD_BYTES, detail, estimated=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +54,14 @@ def to_unload(name: str, need: MemoryNeed, held: Sequence[Held], budget: int, at
         total -= victim.bytes
     if total + need.bytes <= budget:
         return chosen
-    what = ", ".join(f"{h.name} {_gb(h.bytes)} ({'idle' if h.idle else 'busy'})" for h in held) or "nothing"
+    what = ", ".join(f"{h.name} {gb_text(h.bytes)} ({'idle' if h.idle else 'busy'})" for h in held) or "nothing"
     why = "alone" if need.bytes > budget else "even after unloading every idle model"
     raise NoMemoryError(
-        f"cannot load model {name!r}: it needs {_gb(need.bytes)} ({need.detail}), which does not fit "
+        f"cannot load model {name!r}: it needs {gb_text(need.bytes)} ({need.detail}), which does not fit "
         f"--models-memory (models_memory_gb) {budget / GB:g} GB {why}; held: {what}"
         + ("" if need.bytes > budget else "; retry when a busy model finishes")
     )
 
 
-def _gb(num_bytes: int) -> str:
+def gb_text(num_bytes: int) -> str:
     return f"{num_bytes / GB:.3f} GB"

@@ -19,18 +19,12 @@ from enum import Enum
 from typing import Any, Protocol
 
 from ifb.runtime.engine_client import EngineClient
-from ifb.runtime.engine_format.config import EngineConfig
-from ifb.runtime.server.model_memory import GB, Held, MemoryNeed, engine_need, to_unload
+from ifb.runtime.server.model_memory import GB, Held, MemoryNeed, to_unload
 
 logger = logging.getLogger(__name__)
 
 
 class LoadedModel(EngineClient, Protocol):
-    @property
-    def engine_config(self) -> EngineConfig:
-        """The engine's engine.json: what its memory need is measured from."""
-        ...
-
     def close(self) -> None:
         """Stop the step loop and free the engine's memory."""
         ...
@@ -58,6 +52,7 @@ class ModelSpec:
     load: Callable[[], LoadedModel]
     where: str  # the engine folder or source, for /v1/models and the log
     need: Callable[[], MemoryNeed] | None = None  # before it loads (--models-memory); None: not sized
+    loaded_need: Callable[[LoadedModel], MemoryNeed] | None = None  # measured once loaded; None: keep `need`
     # while it loads: the stage of its build, if one runs ({"stage", "stage_for_s"}), else None
     progress: Callable[[], dict[str, Any] | None] | None = None
 
@@ -183,9 +178,10 @@ class ModelPool:
                 await asyncio.to_thread(engine.close)
                 raise
             slot.engine, slot.state, slot.last_error = engine, ModelState.LOADED, None
-            estimate, slot.need = self._need(slot), engine_need(engine.engine_config)
-            if slot.need.bytes > estimate.bytes:
-                self._trim(slot)
+            if slot.spec.loaded_need is not None:
+                estimate, slot.need = self._need(slot), slot.spec.loaded_need(engine)
+                if slot.need.bytes > estimate.bytes:
+                    self._trim(slot)
             logger.info("loaded model %s in %.1f s", slot.spec.name, self.clock() - slot.load_started)
         except Exception as error:
             slot.state, slot.last_error = ModelState.UNLOADED, f"{type(error).__name__}: {error}"

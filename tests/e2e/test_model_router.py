@@ -19,10 +19,11 @@ from waiting import wait_until
 
 from ifb import LLM
 from ifb.cli.many_models import router_app
+from ifb.cli.model_needs import target_need
 from ifb.cli.run_command import make_router, run
 from ifb.runtime.runtime_config import RouterSettings, ServerSettings
 from ifb.runtime.sampling_params import SamplingParams
-from ifb.runtime.server.model_memory import GB, OVERHEAD_BYTES, target_need
+from ifb.runtime.server.model_memory import GB, OVERHEAD_BYTES
 from ifb.runtime.server.model_pool import NoRoomError
 from ifb.runtime.server.model_router import ModelRouter
 
