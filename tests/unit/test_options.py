@@ -26,9 +26,19 @@ from ifb.runtime.runtime_config import (
     check_minimums,
 )
 
-# `ifb run` only: the one-shot prompt, the several-models router's flags (serve does not route by
-# model); a replica's threads are serve's --threads (an alias of --threads-per-replica).
-RUN_ONLY = {"prompt", "max_tokens", "temperature", "threads", "models_dir", "max_loaded_models", "idle_unload_s"}
+# `ifb run` only: the one-shot prompt, the router's load/unload bounds (serve routes by model too,
+# but deploys every model at start); a replica's threads are serve's --threads (an alias of
+# --threads-per-replica).
+RUN_ONLY = {
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "threads",
+    "models_dir",
+    "max_loaded_models",
+    "idle_unload_s",
+    "models_memory_gb",
+}
 
 
 def options_of(command: click.Command) -> dict[str, click.Option]:
