@@ -14,26 +14,31 @@ prints, for each depth and form, export and compile seconds, graph nodes, whethe
 and written KV equal the eager unrolled network's, and the compiled step's time (the two
 packages alternated in one process).
 
-Measured on the Intel Xeon (AVX-512 VNNI, 2 cores, a test run beside it, load ~3), hidden 256,
-4 heads, Q8_0 weights with int8 compute, Inductor's caches off, `--layers 2 4 16 32` (the first
-depth pays the process's one-time compile warm-up):
+Measured on the Intel Xeon (AVX-512 VNNI, 2 cores, quiet: load ~1.2), hidden 256, 4 heads,
+Q8_0 weights with int8 compute, Inductor's caches off, `--layers 2 16 32 --repeats 10` (the
+first depth pays the process's one-time compile warm-up):
 
-| layers | looped compile | unrolled compile | graph nodes looped / unrolled | step ms looped / unrolled |
-| --- | --- | --- | --- | --- |
-| 4 | 8.9 s | 10.4 s | 73 / 406 | 6.9 / 1.2 |
-| 16 | 8.7 s | 25.4 s | 145 / 1510 | 881 / 14.4 |
-| 32 | 9.8 s | 57.6 s | 241 / 2982 | 3092 / 44.9 |
+| layers | looped compile | unrolled compile | export looped / unrolled | graph nodes looped / unrolled | step ms looped / unrolled |
+| --- | --- | --- | --- | --- | --- |
+| 16 | 9.0 s | 24.6 s | 1.6 / 3.3 s | 146 / 1510 | 2.449 / 2.310 (1.06x) |
+| 32 | 8.9 s | 46.0 s | 1.7 / 6.5 s | 242 / 2982 | 4.819 / 4.558 (1.06x) |
 
-So the compile is independent of depth (export too: 1.5-2.0 s against 1.2-5.9 s), and the looped
-package's logits and KV equal the eager network's as the unrolled one's do. But the looped step is
-unusable as it stands: the KV write into layer k's view of the pool is functionalized into a
-select_scatter that copies the whole pool in every layer (time grows with layers x pool size).
-The fix is a write into the flat pool at slot + layer offset that Inductor keeps in place; a
-first try (swapping the attention's write_kv inside the body) is refused by the HOP tracer as an
-unsafe side effect, so the attention module has to take its KV write as an argument first.
-Layers that differ (Q4_K_M's Q6_K/Q4_K mix, Gemma's sliding/global layers, NoPE layers) need a
-stack per layer signature and a branch (torch.cond, which the C++ wrapper also generates) per
-signature in the body.
+So the compile is independent of depth, and the looped package's logits and KV equal the eager
+network's as the unrolled one's do; the looped step costs 6% more (the loop's per-layer views and
+the moved block tables).
+
+The pool: the looped step takes two pool inputs, every layer's K and every layer's V, as
+[layers x slots, kv_heads, head_dim] (two allocations: a while_loop refuses inputs that alias
+each other), writes at slot + layer x slots and reads through block tables moved by layer x
+blocks. A first version wrote into layer k's view (`select`) of one pool input; Inductor
+functionalized that into a select_scatter copying the whole pool in every layer (881 ms against
+14 ms unrolled at 16 layers, under load) — nothing of the pool is viewed and written now.
+
+What the builder would need (not done): the runtime's pool as two allocations (the prefix disk
+tier and the accounting read [layers, K/V, ...] today); stacked weights as strided views of the
+mapping (a stack-major weights file) rather than copies; layers that differ (Q4_K_M's Q6_K/Q4_K
+mix, Gemma's sliding/global layers, NoPE layers) as a stack per layer signature and a branch
+(torch.cond, which the C++ wrapper also generates) per signature in the body.
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ class LoopedStepNetwork(StepNetwork):
         decode_block_tables: torch.Tensor,
         decode_seq_lens: torch.Tensor,
         logits_indices: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_pools: list[torch.Tensor],
     ) -> torch.Tensor:
         layout = AttentionLayout(
             context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens
@@ -92,6 +97,8 @@ class LoopedStepNetwork(StepNetwork):
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         stacks = [getattr(self, _buffer(name)) for name in self.stacked_names]
         template, num_layers = self.layers[0], len(self.layers)
+        k_pool, v_pool = kv_pools
+        slots_per_layer = k_pool.shape[0] // num_layers
 
         def more(i: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
             return i < num_layers
@@ -101,8 +108,19 @@ class LoopedStepNetwork(StepNetwork):
             torch._check(k >= 0)
             torch._check(k < num_layers)
             weights = {name: stack.select(0, k) for name, stack in zip(self.stacked_names, stacks, strict=True)}
-            pools = kv_cache.select(0, k)
-            inputs = (h, cos, sin, positions, slot_mapping, layout, pools.select(0, 0), pools.select(0, 1))
+            # Every layer's K (V) in one [layers * slots, ...] input, written in place at slot +
+            # the layer's offset and read through block tables moved by as many blocks: no view
+            # of the pool is written, so nothing is functionalized into a copy of it.
+            layer_blocks = i * (slots_per_layer // template.attn.block_size)
+            moved = AttentionLayout(
+                layout.context_query_rows,
+                layout.context_block_tables + layer_blocks,
+                layout.decode_query_rows,
+                layout.decode_block_tables + layer_blocks,
+                layout.decode_seq_lens,
+            )
+            slots = slot_mapping + i * slots_per_layer
+            inputs = (h, cos, sin, positions, slots, moved, k_pool, v_pool)
             return i + 1, torch.func.functional_call(template, weights, inputs)
 
         _, x = while_loop(more, layer, (torch.zeros((), dtype=torch.int64), x))
@@ -161,11 +179,9 @@ def _step_inputs() -> list[torch.Tensor]:
 
 
 def _compile(network: StepNetwork, looped: bool, num_layers: int, tag: str) -> tuple[Callable[..., torch.Tensor], str]:
-    kv_cache = torch.zeros(num_layers, 2, SLOTS_PER_LAYER, 2, HEAD_DIM)
     inputs = list(sample_step_inputs(LIMITS).as_args())
-    shapes = dynamic_shapes(LIMITS, 2 * num_layers)
-    pools: object = kv_cache if looped else kv_pool_views(kv_cache)
-    shapes = (*shapes[:-1], None) if looped else shapes
+    shapes = dynamic_shapes(LIMITS, 2 if looped else 2 * num_layers)
+    pools = _pools(num_layers, looped)
     started = time.perf_counter()
     exported = torch.export.export(network, (*inputs, pools), dynamic_shapes=shapes)
     exported_s = time.perf_counter() - started
@@ -206,17 +222,32 @@ def main() -> None:
                 network.stack_layers()
             with torch.no_grad():
                 runner, line = _compile(network, looped, num_layers, f"{form}-{num_layers}-{args.weights}")
-            pool = torch.zeros(num_layers, 2, SLOTS_PER_LAYER, 2, HEAD_DIM)
-            pools: object = pool if looped else kv_pool_views(pool)
+            pools = _pools(num_layers, looped)
             logits = runner(*inputs, pools)
             logit_error = (logits - expected).abs().max().item()
-            kv_error = (pool - expected_pool).abs().max().item()
+            kv_error = (_by_layer(pools, num_layers) - expected_pool).abs().max().item()
             print(
                 f"{num_layers:3d} layers {form:8s} {line}  |logits - eager| {logit_error:.1e}  |kv - eager| {kv_error:.1e}"
             )
             steps[form] = _bound(runner, inputs, pools)
         times = _alternated(steps, args.repeats)
         print(f"{num_layers:3d} layers step ms: " + "  ".join(f"{form} {ms:.3f}" for form, ms in times.items()))
+
+
+def _pools(num_layers: int, looped: bool) -> list[torch.Tensor]:
+    """The step's pool inputs: per layer K then V, views of one allocation (today's), or for the
+    looped step every layer's K and every layer's V as two [layers * slots, kv_heads, head_dim]
+    tensors (two allocations: a while_loop refuses inputs that alias each other)."""
+    if looped:
+        return [torch.zeros(num_layers * SLOTS_PER_LAYER, 2, HEAD_DIM) for _ in range(2)]
+    return kv_pool_views(torch.zeros(num_layers, 2, SLOTS_PER_LAYER, 2, HEAD_DIM))
+
+
+def _by_layer(pools: list[torch.Tensor], num_layers: int) -> torch.Tensor:
+    """The pools as [layers, K/V, slots, kv_heads, head_dim]."""
+    if len(pools) == 2 * num_layers:
+        return torch.stack(pools).view(num_layers, 2, SLOTS_PER_LAYER, 2, HEAD_DIM)
+    return torch.stack(pools).view(2, num_layers, SLOTS_PER_LAYER, 2, HEAD_DIM).transpose(0, 1)
 
 
 def _bound(
