@@ -13,10 +13,11 @@ whose own part of a step raises (its setup, guided mask, sample, text or stop st
 with finish reason `error` alone; an exception in the step's shared part (the engine, the
 scheduler's update) fails that step's requests. Either way the loop goes on.
 
-The engine is created on this thread too: once another thread has run OpenMP work, libgomp
-has two thread teams on two cores and throttles its spin-waits, which made every compiled step
-~1.8x slower (bench: 44 ms vs 80 ms for a batch-8 decode). Keep torch compute off the caller's
-thread. Loop threads come from one process-wide pool (engine_threads.py) and are reused.
+The loop runs as turns on the process's one loop host thread (loop_host.py), beside every
+other loaded model's loop: a second thread that has run OpenMP work keeps a second team and
+libgomp then throttles both, which made every compiled step ~1.8x slower (bench: 44 ms vs 80 ms
+for a batch-8 decode). The engine is created on a short-lived thread whose team ends with it, so
+a load never stalls the other models' steps. Keep torch compute off the caller's thread.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from typing import Any
 import torch
 
 from ifb.runtime.engine_snapshot import EngineSnapshot, ExecutorHealth, GuidedUsage, KvUsage
-from ifb.runtime.engine_threads import run_on_engine_thread
 from ifb.runtime.guided import GuidedRow, fill_bitmask
 from ifb.runtime.live_request import LiveRequest, Sink
+from ifb.runtime.loop_host import LOOP_HOST, Turn
 from ifb.runtime.output_processor import OutputProcessor
 from ifb.runtime.outputs import RequestOutput
 from ifb.runtime.request import FinishReason, Request
@@ -103,12 +104,11 @@ class Executor:
     ) -> None:
         self._engine_factory = engine_factory
         self.engine: Engine | None = None
-        self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self.scheduler = scheduler
         self.sampler = sampler or Sampler()
         self.outputs = OutputProcessor(tokenizer)
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Refused | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Refused] = queue.SimpleQueue()
         self._live: dict[str, LiveRequest] = {}  # every request not yet finished, by id
         self._stopping = threading.Event()
         self._loop: Future[None] | None = None
@@ -128,28 +128,34 @@ class Executor:
 
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the loop; returns once the engine is loaded on the executor thread (or raises)."""
-        self._loop = run_on_engine_thread(self._run)
-        self._ready.wait()
+        """Load the engine on a short-lived thread (its OpenMP team ends with it; the caller's
+        thread gets none), then hand the loop to the loop host. Raises what the load raised."""
+        loader = threading.Thread(target=self._open, name="ifb-engine-load", daemon=True)
+        loader.start()
+        loader.join()
         if self._start_error is not None:
             raise self._start_error
+        self._loop = LOOP_HOST.attach(self)
         self._publish()
 
     def submit(
         self, request: Request, sink: Sink, compiled_grammar: Any = None, grammar_compile_s: float = 0.0
     ) -> None:
         self._inbox.put(_Add(request, sink, compiled_grammar, grammar_compile_s))
+        LOOP_HOST.wake()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+        LOOP_HOST.wake()
 
     def count_refusal(self) -> None:
         self._inbox.put(_Refused())
+        LOOP_HOST.wake()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()
-        self._inbox.put(None)
-        if self._loop is not None:
+        LOOP_HOST.wake()
+        if self._loop is not None and not LOOP_HOST.is_host_thread():  # the host cannot wait on itself
             wait([self._loop], timeout)
 
     def health(self) -> ExecutorHealth:
@@ -158,45 +164,44 @@ class Executor:
         stuck = started is not None and time.monotonic() - started > STUCK_STEP_S
         return ExecutorHealth(alive=alive, stuck=stuck, error=self._fatal_error)
 
-    # -- executor thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    # -- loader thread, then the loop host's thread -------------------------------------------
+    def _open(self) -> None:
         try:
             self.engine = self._engine_factory()
-        except BaseException as error:
+        except BaseException as error:  # start() raises it on the caller's thread
             self._start_error = error
-            return
-        finally:
-            self._ready.set()
+
+    def turn(self) -> Turn:
+        """One iteration of the loop: new requests and aborts, then at most one step."""
         try:
-            while not self._stopping.is_set():
-                self._take_inbox(block=not self.scheduler.has_work)
-                if self._stopping.is_set():
-                    break
-                self._expire_waiting()
-                batch = self.scheduler.schedule()
-                if batch.is_empty:
-                    if self.scheduler.has_work:
-                        time.sleep(0.001)  # only waiting requests that cannot start yet
-                    self._publish()
-                    continue
-                self._step(batch)  # publishes the snapshot itself, before the step's deltas
-                self._maybe_log_summary()
+            self._take_inbox()
+            if self._stopping.is_set():
+                self._close()
+                return Turn.ENDED
+            self._expire_waiting()
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                self._publish()
+                return Turn.WAITING if self.scheduler.has_work else Turn.IDLE  # waiting: none can start yet
+            self._step(batch)  # publishes the snapshot itself, before the step's deltas
+            self._maybe_log_summary()
+            return Turn.STEPPED
         except BaseException as error:  # the loop itself broke: every entry point must see it
             self._fatal_error = repr(error)
             logger.exception("executor loop died")
+            self._close()
             raise
-        finally:
-            self._finish_all(FinishReason.ABORT if self._fatal_error is None else FinishReason.ERROR)
-            self._close_kv()
-            self.engine = None  # the pooled thread outlives this loop; let the KV pool go
-            self._publish()
 
-    def _take_inbox(self, block: bool) -> None:
+    def _close(self) -> None:
+        self._finish_all(FinishReason.ABORT if self._fatal_error is None else FinishReason.ERROR)
+        self._close_kv()
+        self.engine = None  # let the KV pool go
+        self._publish()
+
+    def _take_inbox(self) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            while item is not None:
-                self._apply(item)
-                item = self._inbox.get_nowait()
+            while True:
+                self._apply(self._inbox.get_nowait())
         except queue.Empty:
             return
 
@@ -267,7 +272,7 @@ class Executor:
             self._end(self._live[request_id].request, FinishReason.ERROR, error)
         rewinds = seeded_rewinds(sampling, logits.shape[1])
         samples = self._sample(logits, rows, bitmask) if rows else []
-        self._take_inbox(block=False)  # aborts that arrived during the step, before the update
+        self._take_inbox()  # aborts that arrived during the step, before the update
         verified = verify_rows(sampling, samples, rewinds)
         kept = [v for v in verified if not v.live.request.state.is_finished]
         # Token stops first (eos, max_tokens): no text is made for tokens after them.

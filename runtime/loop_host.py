@@ -1,0 +1,110 @@
+"""LoopHost: the one thread that runs every executor loop of the process, one turn each in rotation.
+
+Why one thread for every loaded model: libgomp gives each thread that runs OpenMP work a team of
+worker threads that outlives the work, and once a process manages more such threads than it has
+cores it throttles every team's spin-wait, so every parallel region pays a futex wake-up. On the
+2-core Xeon, 200 parallel adds took 21 ms on one thread and 34 ms (1.6x) while a second thread
+that had once run the same work sat idle; a thread that ran OpenMP work and exited left no cost
+(its team goes with it). A loaded model with a loop thread of its own thus made every other
+model's steps ~1.6x slower even while it served nothing, and two busy models ran two teams over
+the same cores. On one thread the models' steps take turns with one team, each step using every
+core (`--threads`); engines are loaded on short-lived threads (Executor.start), so a load runs
+beside the others' steps and leaves nothing behind.
+
+Fairness: a rotation gives each loop one turn, at most one step, so busy models alternate step
+by step (a long prefill step of one model delays the other's next token by that step). A step
+that hangs holds every model; the hanging model's watchdog reports it (/health: stuck).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+# With work that cannot start yet (waiting requests, nothing schedulable) a loop is polled this
+# often; with none, this often (a queue timeout still expires within it) unless woken.
+_WAITING_POLL_S = 0.001
+_IDLE_POLL_S = 0.5
+
+
+class Turn(Enum):
+    """What one turn of a loop did."""
+
+    STEPPED = "stepped"  # ran a step: give it another turn soon
+    WAITING = "waiting"  # has requests, none schedulable now: poll again shortly
+    IDLE = "idle"  # nothing to do until a request or an abort arrives (wake())
+    ENDED = "ended"  # stopped and closed: drop it
+
+
+class HostedLoop(Protocol):
+    def turn(self) -> Turn:
+        """One iteration on the host thread; an exception ends this loop only."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Hosted:
+    loop: HostedLoop
+    done: Future[None]
+
+
+class LoopHost:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hosted: list[_Hosted] = []
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def attach(self, loop: HostedLoop) -> Future[None]:
+        """Run `loop`'s turns on the host thread from now on; the future ends with the loop
+        (its exception if a turn raised)."""
+        hosted = _Hosted(loop, Future())
+        with self._lock:
+            self._hosted.append(hosted)
+            if self._thread is None:  # daemon: a process that never closed its LLMs still exits
+                self._thread = threading.Thread(target=self._run, name="ifb-loop-host", daemon=True)
+                self._thread.start()
+        self.wake()
+        return hosted.done
+
+    def wake(self) -> None:
+        """Thread-safe: a request, an abort or a stop arrived for some loop."""
+        self._wake.set()
+
+    def is_host_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()  # before the turns: a wake() during them ends the wait at once
+            with self._lock:
+                hosted = list(self._hosted)
+            turns = [self._turn(h) for h in hosted]
+            if Turn.STEPPED in turns:
+                continue
+            self._wake.wait(_WAITING_POLL_S if Turn.WAITING in turns else _IDLE_POLL_S)
+
+    def _turn(self, hosted: _Hosted) -> Turn:
+        try:
+            turn = hosted.loop.turn()
+        except BaseException as error:  # reported through its future; the other loops go on
+            self._drop(hosted)
+            hosted.done.set_exception(error)
+            return Turn.ENDED
+        if turn is Turn.ENDED:
+            self._drop(hosted)
+            hosted.done.set_result(None)
+        return turn
+
+    def _drop(self, hosted: _Hosted) -> None:
+        with self._lock:
+            self._hosted.remove(hosted)
+
+
+LOOP_HOST = LoopHost()
