@@ -13,7 +13,10 @@ import logging
 import math
 from typing import Any
 
+import numpy as np
+
 from ifb.builder.errors import UnsupportedModelError
+from ifb.builder.gguf_fields import GgufHeader
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,11 @@ ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
 def field_value(reader: Any, key: str) -> Any:
-    """A metadata value as Python (str, number, bool or list), None when absent."""
+    """A metadata value as Python (str, number, bool or list), None when absent; `reader` a GgufHeader
+    (builder/gguf_fields.py) or gguf's GGUFReader."""
+    if isinstance(reader, GgufHeader):
+        value = reader.fields.get(key)
+        return value.tolist() if isinstance(value, np.ndarray) else value
     field = reader.fields.get(key)
     return None if field is None else field.contents()
 

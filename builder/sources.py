@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ifb.builder.errors import SourceError
-from ifb.builder.families import family_of, gguf_family, register_llama_shaped_gguf_architectures
-from ifb.builder.gguf_metadata import field_value, refuse_unread_keys
+from ifb.builder.families import family_of
+from ifb.builder.gguf_config import gguf_config
 from ifb.runtime.engine_format import ModelSpec, sha256_of_file
 
 if TYPE_CHECKING:
@@ -152,36 +152,6 @@ def load_model(source: ModelSource) -> LoadedModel:
             raise SourceError(f"cannot read weights {file}: {error}") from error
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     return LoadedModel(source, config, state, tokenizer)
-
-
-def gguf_config(path: Path) -> Any:
-    """transformers' config of a GGUF, with what llama.cpp's graph reads and transformers' GGUF
-    reader leaves at defaults read in by the file's family (builder/families/): head_dim from
-    `attention.key_length` (transformers' reader does not map it, so a Qwen3 GGUF got Qwen3Config's
-    default 128 whatever the file says), RoPE scaling and factors, windows, soft-caps, biases."""
-    import gguf
-    from transformers import AutoConfig
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, KeyError, OSError) as error:
-        raise SourceError(f"cannot read GGUF metadata of {path}: {error}") from error
-    architecture = field_value(reader, "general.architecture")
-    if not isinstance(architecture, str):
-        raise SourceError(f"{path} has no general.architecture: not a model file llama.cpp would read")
-    family = gguf_family(architecture, reader)  # refuse by name before transformers tries the file
-    register_llama_shaped_gguf_architectures()
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except (ValueError, KeyError) as error:
-        raise SourceError(f"cannot read GGUF metadata of {path}: {error}") from error
-    refuse_unread_keys(reader, architecture, family.gguf_keys)
-    key_length = field_value(reader, f"{architecture}.attention.key_length")
-    if key_length is not None:
-        config.head_dim = int(key_length)
-    if getattr(config, "pad_token_id", None) is not None and not 0 <= config.pad_token_id < config.vocab_size:
-        config.pad_token_id = None  # a config class's default (SmolLM3's 128004) where the file names none
-    return family.read_gguf(config, reader)
 
 
 def _load_gguf(source: ModelSource) -> LoadedModel:
