@@ -18,13 +18,8 @@ import numpy as np
 from ifb.builder.errors import SourceError
 from ifb.builder.families import gguf_family, register_llama_shaped_gguf_architectures
 from ifb.builder.families.transformers_gguf_names import transformers_architecture, transformers_model_type
-from ifb.builder.gguf_fields import GgufHeader, read_gguf_header
+from ifb.builder.gguf_fields import GgufHeader, read_gguf_header, without_vocabulary
 from ifb.builder.gguf_metadata import field_value, refuse_unread_keys
-
-
-def _wanted(key: str) -> bool:
-    """Every value but the tokenizer's arrays (the config maps none of them; their lengths are kept)."""
-    return not key.startswith("tokenizer.ggml.") or key.endswith("_id") or key.startswith("tokenizer.ggml.add_")
 
 
 def gguf_config(path: Path) -> Any:
@@ -32,7 +27,7 @@ def gguf_config(path: Path) -> Any:
     reader leaves at defaults read in by the file's family (builder/families/): head_dim from
     `attention.key_length` (transformers' reader does not map it, so a Qwen3 GGUF got Qwen3Config's
     default 128 whatever the file says), RoPE scaling and factors, windows, soft-caps, biases."""
-    header = read_gguf_header(path, _wanted)
+    header = read_gguf_header(path, without_vocabulary)
     architecture = field_value(header, "general.architecture")
     if not isinstance(architecture, str):
         raise SourceError(f"{path} has no general.architecture: not a model file llama.cpp would read")

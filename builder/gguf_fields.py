@@ -56,7 +56,8 @@ class HeaderTensor:
 
     @property
     def data(self) -> np.ndarray:
-        """The tensor's values (block formats: uint8 [rows, row bytes]), mapped from the file, read-only."""
+        """The tensor's values (block formats: uint8 [rows, row bytes]), read-only: a mapping of its own
+        bytes, unmapped when the array is dropped, so a tensor copied out leaves no page resident."""
         dtype = _ELEMENT_DTYPES.get(self.tensor_type.name)
         rows = tuple(reversed(self.shape))
         if dtype is None:
@@ -72,6 +73,11 @@ class GgufHeader:
     fields: dict[str, Any]
     array_lengths: dict[str, int]
     tensors: tuple[HeaderTensor, ...]
+
+
+def without_vocabulary(key: str) -> bool:
+    """A `wanted` for every value but the tokenizer's arrays (their lengths are still kept)."""
+    return not key.startswith("tokenizer.ggml.") or key.endswith("_id") or key.startswith("tokenizer.ggml.add_")
 
 
 def read_gguf_fields(path: Path, wanted: Callable[[str], bool]) -> dict[str, Any]:
@@ -91,7 +97,7 @@ def _read(path: Path, wanted: Callable[[str], bool], tensors: bool) -> GgufHeade
             fields, lengths, num_tensors, pos, alignment = _read_fields(buf, wanted)
             table = _read_tensors(path, buf, num_tensors, pos, alignment) if tensors else ()
             return GgufHeader(fields, lengths, table)
-    except (struct.error, ValueError, UnicodeDecodeError) as error:
+    except (struct.error, ValueError, UnicodeDecodeError, OSError) as error:
         raise SourceError(f"cannot read the metadata of GGUF {path}: {error}") from error
 
 

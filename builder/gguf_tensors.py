@@ -1,11 +1,12 @@
 """A GGUF file's tensors under our network's names, memory-mapped and read one at a time.
 
-The builder never loads a GGUF whole: `gguf.GGUFReader` maps the file, and each tensor is turned
-into what the engine stores only when its module is built — raw block rows for the formats our
-kernels read (`GGUF_TYPE_NAMES`), fp32 for the rest (F32/F16/BF16, and block types without a
-kernel, dequantized by `gguf.quants`). So the build's memory is the engine's weights plus one
-module in flight, not the ~20x of a dequantizing loader (a 1B Q4_K_M peaked at 24 GB through
-transformers' GGUF loader and was killed).
+The builder never loads a GGUF whole: builder/gguf_fields.py reads the header (gguf's GGUFReader
+parsed every vocabulary entry: 7-17 s for a 128k-262k vocabulary), each tensor's bytes are mapped
+only while it is copied out, and each tensor is turned into what the engine stores only when its
+module is built — raw block rows for the formats our kernels read (`GGUF_TYPE_NAMES`), fp32 for
+the rest (F32/F16/BF16, and block types without a kernel, dequantized by `gguf.quants`). So the
+build's memory is the engine's weights plus one module in flight, not the ~20x of a dequantizing
+loader (a 1B Q4_K_M peaked at 24 GB through transformers' GGUF loader and was killed).
 
 Names (the family's, builder/families/): a fused module (qkv, gate_up) is the row concatenation of
 its GGUF tensors. llama.cpp writes Llama's attn_q/attn_k rows permuted for its rotary layout
@@ -17,7 +18,6 @@ is exact. Norm weights stored as (1 + w) (`Family.gguf_norm_offset`) are read as
 from __future__ import annotations
 
 import logging
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ import torch
 from ifb.builder.errors import SourceError
 from ifb.builder.families import Family, gguf_family
 from ifb.builder.families.family import GGUF_LAYER_LINEARS
+from ifb.builder.gguf_fields import GgufHeader, read_gguf_header, without_vocabulary
+from ifb.builder.gguf_metadata import field_value
 from ifb.plugins.quant_formats import GGUF_TYPE_NAMES, WeightFormat
 from ifb.runtime.engine_format import ModelSpec
 
@@ -120,12 +122,7 @@ class GgufTensors:
     """The tensors of one GGUF file (memory-mapped), read on demand under our conventions."""
 
     def __init__(self, path: Path, spec: ModelSpec) -> None:
-        import gguf
-
-        try:
-            self._reader = gguf.GGUFReader(str(path))
-        except (ValueError, OSError) as error:
-            raise SourceError(f"cannot read GGUF tensors of {path}: {error}") from error
+        self._reader = read_gguf_header(path, without_vocabulary)
         self._tensors: dict[str, Any] = {t.name: t for t in self._reader.tensors}
         self.spec = spec
         # the file's family (a Mistral is written as a Llama): its names, permutation and offsets
@@ -158,7 +155,6 @@ class GgufTensors:
         if GGUF_TYPE_NAMES.get(tensor.tensor_type.name) is None:
             raise ValueError(f"{name} is {tensor.tensor_type.name}, not a block format our kernels read")
         rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
-        self._release(tensor)
         return self._unpermuted(name, rows)
 
     def fp32(self, name: str) -> torch.Tensor:
@@ -174,7 +170,6 @@ class GgufTensors:
         else:
             values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         out = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))  # F32 comes back as the mapping
-        self._release(tensor)
         if self.norm_shift and name.endswith("norm.weight"):
             out = out - self.norm_shift
         return self._unpermuted(name, out)
@@ -201,16 +196,6 @@ class GgufTensors:
                 values = gguf.quants.dequantize(values, tensor.tensor_type)
             parts.append(torch.from_numpy(np.array(values, dtype=np.float32, copy=True)))
         return torch.cat(parts, dim=0)
-
-    def _release(self, tensor: Any) -> None:
-        """Drop the tensor's pages from this process once copied: read through the mapping, a whole
-        file would otherwise stay resident beside the engine's copy (2x the file at peak)."""
-        mapping = getattr(self._reader.data, "_mmap", None)
-        if mapping is None:
-            return
-        start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-        end = tensor.data_offset + tensor.n_bytes
-        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def fused_fp32(self, names: tuple[str, ...]) -> torch.Tensor:
         parts = [self.fp32(name) for name in names]
@@ -291,13 +276,10 @@ def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rows[order]
 
 
-def _architecture(reader: Any) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+def _architecture(header: GgufHeader) -> str:
+    return str(field_value(header, "general.architecture"))
 
 
 def gguf_tensor_types(path: Path) -> dict[str, str]:
     """Tensor name -> GGUF type name, from the header only."""
-    import gguf
-
-    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    return {t.name: t.tensor_type.name for t in read_gguf_header(path, lambda key: False).tensors}

@@ -16,9 +16,11 @@ from ifb.builder.gguf_config import gguf_config, transformers_config
 from ifb.builder.gguf_fields import read_gguf_header
 from ifb.builder.gguf_metadata import field_value
 
+KQUANT_WIDTH = {"hidden_size": 256, "intermediate_size": 256}  # a K-quant block holds 256 weights
 # (transformers model type, write_hf_checkpoint overrides): every family's GGUF as tests write it
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
+    "llama-blocks": ("llama", KQUANT_WIDTH),  # written with BLOCK_TYPES below
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "mistral-window": ("mistral", {"sliding_window": 16}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
@@ -28,6 +30,10 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3_text", {"sliding_window": 8}),
 }
+
+
+# block formats of the "llama-blocks" file: a tensor's `data` is its rows of blocks, as GGUFReader gives them
+BLOCK_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_1", "attn_v": "Q6_K", "ffn_down": "Q8_0", "ffn_up": "Q5_K"}
 
 
 def reference_config(path: Path) -> Any:
@@ -55,7 +61,9 @@ def test_config_equals_transformers(tmp_path: Path, name: str) -> None:
     """The config dict and class of every family's file equal AutoConfig's, and so does the whole config
     once the family has read its keys (ours over the header, the reference over gguf's GGUFReader)."""
     model_type, overrides = CHECKPOINTS[name]
-    path = write_gguf(tmp_path / f"{name}.gguf", write_hf_checkpoint(tmp_path / "hf", model_type, **overrides))
+    folder = write_hf_checkpoint(tmp_path / "hf", model_type, **overrides)
+    types = BLOCK_TYPES if name == "llama-blocks" else None
+    path = write_gguf(tmp_path / f"{name}.gguf", folder, tensor_types=types)
     assert_same_config(path)
     reader = gguf.GGUFReader(str(path))
     header = read_gguf_header(path, every_key)
