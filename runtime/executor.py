@@ -176,7 +176,6 @@ class Executor:
         try:
             self._take_inbox()
             if self._stopping.is_set():
-                self._close()
                 return Turn.ENDED
             self._expire_waiting()
             batch = self.scheduler.schedule()
@@ -189,10 +188,10 @@ class Executor:
         except BaseException as error:  # the loop itself broke: every entry point must see it
             self._fatal_error = repr(error)
             logger.exception("executor loop died")
-            self._close()
             raise
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """After the last turn (the loop host calls it on a thread of its own)."""
         self._finish_all(FinishReason.ABORT if self._fatal_error is None else FinishReason.ERROR)
         self._close_kv()
         self.engine = None  # let the KV pool go

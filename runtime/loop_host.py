@@ -47,6 +47,11 @@ class HostedLoop(Protocol):
         """One iteration on the host thread; an exception ends this loop only."""
         ...
 
+    def close(self) -> None:
+        """After its last turn, on a thread of its own: ending requests and flushing the KV
+        pool's cached blocks to disk can take seconds the other loops' steps must not wait."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class _Hosted:
@@ -94,17 +99,28 @@ class LoopHost:
         try:
             turn = hosted.loop.turn()
         except BaseException as error:  # reported through its future; the other loops go on
-            self._drop(hosted)
-            hosted.done.set_exception(error)
+            self._end(hosted, error)
             return Turn.ENDED
         if turn is Turn.ENDED:
-            self._drop(hosted)
-            hosted.done.set_result(None)
+            self._end(hosted, None)
         return turn
 
-    def _drop(self, hosted: _Hosted) -> None:
+    def _end(self, hosted: _Hosted, error: BaseException | None) -> None:
         with self._lock:
             self._hosted.remove(hosted)
+        threading.Thread(target=_close, args=(hosted, error), name="ifb-loop-close", daemon=True).start()
+
+
+def _close(hosted: _Hosted, error: BaseException | None) -> None:
+    try:
+        hosted.loop.close()
+    except BaseException as close_error:  # the loop's own error, if any, is the one to report
+        logger.exception("closing a step loop failed")
+        error = error or close_error
+    if error is None:
+        hosted.done.set_result(None)
+    else:
+        hosted.done.set_exception(error)
 
 
 LOOP_HOST = LoopHost()
