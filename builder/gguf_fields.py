@@ -56,13 +56,14 @@ class HeaderTensor:
 
     @property
     def data(self) -> np.ndarray:
-        """The tensor's values (block formats: uint8 [rows, row bytes]), read-only: a mapping of its own
-        bytes, unmapped when the array is dropped, so a tensor copied out leaves no page resident."""
+        """The tensor's values (block formats: uint8 [rows, row bytes]): a copy-on-write mapping of its own
+        bytes (writable, so torch takes it without a copy; the file never changes), unmapped when the
+        array is dropped, so a tensor packed or copied out leaves no page resident."""
         dtype = _ELEMENT_DTYPES.get(self.tensor_type.name)
         rows = tuple(reversed(self.shape))
         if dtype is None:
             dtype, rows = "<u1", (*rows[:-1], self.n_bytes // max(1, int(np.prod(rows[:-1], dtype=np.int64))))
-        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_offset, shape=rows)
+        return np.memmap(self.path, dtype=dtype, mode="c", offset=self.data_offset, shape=rows)
 
 
 @dataclass(frozen=True, slots=True)

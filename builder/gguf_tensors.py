@@ -150,11 +150,13 @@ class GgufTensors:
         return TensorInfo(name, tensor.tensor_type.name, rows, cols, int(tensor.n_bytes))
 
     def block_rows(self, name: str) -> torch.Tensor:
-        """uint8 [rows, row bytes]: the tensor's blocks, copied out of the mapping, q/k un-permuted."""
+        """uint8 [rows, row bytes]: the tensor's blocks, q/k un-permuted (a copy), the rest aliasing a
+        copy-on-write mapping of the file that lives as long as the tensor."""
         tensor = self._tensors[name]
         if GGUF_TYPE_NAMES.get(tensor.tensor_type.name) is None:
             raise ValueError(f"{name} is {tensor.tensor_type.name}, not a block format our kernels read")
-        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+        # packed straight from the mapping: a copy into fresh memory took ~0.5 s CPU of a 1B Q4_K_M's 4 s pack
+        rows = torch.from_numpy(tensor.data)
         return self._unpermuted(name, rows)
 
     def fp32(self, name: str) -> torch.Tensor:
