@@ -4,9 +4,13 @@ engine the machine has already timed reuses the fit instead of timing it again.
 A build's last stage times its engine (builder/calibrate.py): 28 s for SmolLM2 and 191 s for a
 1B-shaped Q4_K_M on 2 quiet cores (issue #39), the same figures every time the same shape is
 built on the same machine. What a step costs depends on the network's shapes and formats, the
-limits, the dtypes, the kernels' ISA, the compiler and this CPU, not on the weights' values: the key
-is a hash of exactly those (`CostModelKey`), so a fine-tune of a base model, or the same file rebuilt,
-reuses it. `ifb build --no-cache` times again (and stores the new fit); `ifb run --calibrate`
+limits that bound the timed steps (max batch, max tokens, block size), the dtypes, the kernels' ISA,
+the compiler and this CPU, not on the weights' values: the key is a hash of exactly those
+(`CostModelKey`), so a fine-tune of a base model, or the same file rebuilt, reuses it. max_seq_len and
+the KV pool's size are not in it: they change no step's cost, only how deep a context calibration
+may time (runtime/step_budget/calibration.py: `deep`, `calibration_blocks`), so a fit timed with both at
+least as large serves (the timed contexts cover the engine's), and a deeper engine times again and
+replaces the entry. `ifb build --no-cache` times again (and stores the new fit); `ifb run --calibrate`
 re-measures at start as before.
 
 Entries are one JSON file each, written to a temporary name and renamed into place (two builds
@@ -24,7 +28,7 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,9 @@ SUBDIR = "cost-models"
 MAX_ENTRIES = 64  # a few KB each; a user who switches between dozens of shapes keeps them all
 # ModelSpec fields that name a model rather than shape its computation
 _NOT_COST = ("bos_token_id", "eos_token_ids")
+# limits that only bound how deep calibration times contexts: a stored fit serves an engine whose are
+# each no larger (see the module docstring)
+_DEPTH_LIMITS = ("max_seq_len", "num_kv_blocks")
 
 
 def cache_root() -> Path:
@@ -61,18 +68,21 @@ def _cpu_name() -> str:
 
 @dataclass(frozen=True, slots=True)
 class CostModelKey:
-    """What an engine's step time depends on, as one JSON-able record; its hash names the entry."""
+    """What an engine's step time depends on, as one JSON-able record; its hash names the entry.
+    `depth`: the limits a stored fit must be timed at least as deep as (_DEPTH_LIMITS), not hashed."""
 
     record: dict[str, Any]
+    depth: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine_record: dict[str, Any], builder_version: str) -> CostModelKey:
         """From an engine.json record (the engine as written, before its cost model)."""
         spec = {k: v for k, v in engine_record["model"].items() if k not in _NOT_COST}
         kernels = engine_record.get("kernels") or {}
+        limits = engine_record["limits"]
         record = {
             "spec": spec,
-            "limits": engine_record["limits"],
+            "limits": {name: value for name, value in limits.items() if name not in _DEPTH_LIMITS},
             "dtype": engine_record["dtype"],
             "kv_dtype": engine_record.get("kv_dtype"),
             "backend": engine_record["backend"],
@@ -88,7 +98,8 @@ class CostModelKey:
             "builder": builder_version,
         }
         # as JSON gives it back (tuples become lists), so a stored key compares equal to a fresh one
-        return cls(json.loads(json.dumps(record)))
+        depth = {name: int(limits[name]) for name in _DEPTH_LIMITS if name in limits}
+        return cls(json.loads(json.dumps(record)), depth)
 
     @property
     def digest(self) -> str:
@@ -118,10 +129,17 @@ class CostModelCache:
             if entry["checksum"] != _model_checksum(model) or entry["key"] != key.record:
                 raise ValueError("checksum or key mismatch")
             found = StepCostModel.from_json(model)
+            timed = {name: int(entry["depth"].get(name, 0)) for name in key.depth}
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             logger.warning("cost model cache entry %s is unusable (%s); timing the engine again", path, error)
+            return None
+        shallower = [f"{name} {timed[name]} < {wanted}" for name, wanted in key.depth.items() if timed[name] < wanted]
+        if shallower:
+            logger.info(
+                "stored step cost model was timed less deep (%s): timing the engine again", ", ".join(shallower)
+            )
             return None
         os.utime(path)  # recently used: pruned last
         return found
@@ -132,6 +150,7 @@ class CostModelCache:
         record = model.to_json()
         entry = {
             "key": key.record,
+            "depth": key.depth,
             "cost_model": record,
             "checksum": _model_checksum(record),
             "measured_at": time.time(),

@@ -30,7 +30,13 @@ MODEL = StepCostModel(4.0, 0.25, 0.5, 0.001, 1e-6, 0.1)
 def engine_record(**changes: Any) -> dict[str, Any]:
     record: dict[str, Any] = {
         "model": {"architecture": "llama", "hidden_size": 64, "num_layers": 2, "bos_token_id": 1, "eos_token_ids": [2]},
-        "limits": {"max_batch_size": 4, "max_num_tokens": 64, "max_seq_len": 128},
+        "limits": {
+            "max_batch_size": 4,
+            "max_num_tokens": 64,
+            "max_seq_len": 128,
+            "block_size": 16,
+            "num_kv_blocks": 64,
+        },
         "dtype": "fp32",
         "kv_dtype": "fp32",
         "backend": "cpu",
@@ -61,6 +67,8 @@ def test_a_stored_model_is_found_under_its_key_only(tmp_path: Path) -> None:
     for change in (
         {"model.hidden_size": 128},
         {"limits.max_num_tokens": 128},
+        {"limits.max_batch_size": 8},
+        {"limits.block_size": 32},
         {"dtype": "bf16"},
         {"kv_dtype": "fp16"},
         {"weight_compute": "int8"},
@@ -69,6 +77,23 @@ def test_a_stored_model_is_found_under_its_key_only(tmp_path: Path) -> None:
     ):
         assert cache.get(key(**change)) is None, change
     assert cache.get(CostModelKey.of(engine_record(), "0.2.0")) is None
+
+
+def test_a_fit_timed_at_least_as_deep_serves_other_context_and_pool_limits(tmp_path: Path) -> None:
+    """max_seq_len and the KV pool size change no step's cost, only how deep calibration times
+    contexts: a fit timed with both at least as large serves; a deeper engine times again, and its fit
+    then serves the shallower ones too."""
+    cache = CostModelCache(tmp_path)
+    deep = {"limits.max_seq_len": 4096, "limits.num_kv_blocks": 1024}
+    cache.put(key(**deep), MODEL)
+    assert cache.get(key()) == MODEL  # 128 tokens, 64 blocks
+    assert cache.get(key(**{**deep, "limits.max_seq_len": 2048})) == MODEL
+    assert cache.get(key(**{**deep, "limits.max_seq_len": 8192})) is None
+    assert cache.get(key(**{**deep, "limits.num_kv_blocks": 2048})) is None
+    deeper = StepCostModel(5.0, 0.25, 0.5, 0.001, 1e-6, 0.1)
+    cache.put(key(**{"limits.max_seq_len": 8192, "limits.num_kv_blocks": 2048}), deeper)
+    assert cache.get(key(**deep)) == deeper
+    assert len(list(cache.folder.glob("*.json"))) == 1  # one entry per key, whatever the depth
 
 
 @pytest.mark.parametrize("damage", ["checksum", "truncated", "key"])
