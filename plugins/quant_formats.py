@@ -10,13 +10,16 @@ A weight [N, K] is stored as N rows of K/block_weights blocks, exactly as in a G
     Q4_K  144 B: fp16 d | fp16 dmin | 12 B 6-bit scales/mins | 128 B nibbles       w = (d*sc) q - (dmin*m)
     Q5_K  176 B: as Q4_K with 32 B of 5th bits before the nibbles
     Q6_K  210 B: 128 B low nibbles | 64 B 2-bit highs | 16 x int8 scales | fp16 d  w = (d*sc) (q - 32)
+    MXFP4  17 B: u8 e (e8m0) | 16 B nibbles (e2m1 codes)  w = 2^(e-128) * MXFP4_VALUES[q]
 
-Legacy nibble byte i holds element i (low nibble) and i + 16 (high). The K-quants' element order
-is in ../shared/gguf-formats.md (and `k_quant_values` below). `dequantize` reproduces
-`gguf.quants.dequantize` bit for bit (same fp32 operations in the same order); `quantize` is
-GGUF's round-to-nearest quantizer for the legacy 32-weight formats (gguf has none for the
-K-quants), so HF weights quantized at build time give the bytes llama.cpp's
-`convert_hf_to_gguf.py` would write.
+Legacy nibble byte i holds element i (low nibble) and i + 16 (high); MXFP4's too. The K-quants'
+element order is in ../shared/gguf-formats.md (and `k_quant_values` below). MXFP4 is ggml's: the
+e2m1 code's value doubled (integers, |v| <= 12) times half the e8m0 scale, 2^(e-128), which for
+e = 0 and 1 is an fp32 subnormal (exact) and times 12 overflows to inf for e >= 254, as in gguf.
+`dequantize` reproduces `gguf.quants.dequantize` bit for bit (same fp32 operations in the same
+order); `quantize` is GGUF's round-to-nearest quantizer for the legacy 32-weight formats (gguf has
+none for the K-quants), so HF weights quantized at build time give the bytes llama.cpp's
+`convert_hf_to_gguf.py` would write; `quantize_mxfp4` is gguf's (and ggml's) MXFP4 quantizer.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+import numpy as np
 import torch
 
+# MXFP4's 16 codes -> the e2m1 value times 2 (ggml's kvalues_mxfp4): sign bit 3, then 0..6 in e2m1
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 BLOCK_SIZE = 32  # weights of a legacy block, and of each sub-block the kernels step through
 SUPER_BLOCK = 256  # weights of a K-quant super-block
 
@@ -69,6 +75,9 @@ class WeightFormat(str, Enum):
     Q4_K = "q4_k", BlockLayout(144, SUPER_BLOCK)
     Q5_K = "q5_k", BlockLayout(176, SUPER_BLOCK)
     Q6_K = "q6_k", BlockLayout(210, SUPER_BLOCK)
+    # gpt-oss's experts: not a `--weights` choice (its files and checkpoints bring them as MXFP4
+    # already); `quantize_mxfp4` writes it for tests and converters
+    MXFP4 = "mxfp4", BlockLayout(17, BLOCK_SIZE)
     FP32 = "fp32"
 
     @property
@@ -213,12 +222,52 @@ def dequantize(blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
     elif fmt is WeightFormat.Q4_0:
         q = (_nibbles(flat[:, 2:]).to(torch.int8) - 8).to(torch.float32)
         weights = _halves(flat, 0) * q
+    elif fmt is WeightFormat.MXFP4:
+        values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[_nibbles(flat[:, 1:]).to(torch.int64)]
+        weights = e8m0_half(flat[:, :1]) * values  # exact: a power of two times |v| <= 12 (or inf)
     elif fmt is WeightFormat.Q4_1:
         weights = (_halves(flat, 0) * _nibbles(flat[:, 4:]).to(torch.float32)) + _halves(flat, 2)  # two roundings
     else:
         weights = flat[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _halves(flat, 0)
     assert weights.numel() == flat.shape[0] * weights_per_block
     return weights.reshape(rows, -1)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """uint8 e8m0 scales -> fp32 2^(e-128), half the scale (ggml's ggml_e8m0_to_fp32_half), exactly:
+    through the bits, subnormal for e < 2."""
+    e32 = e.to(torch.int32)
+    bits = torch.where(e32 < 2, torch.tensor(0x00200000, dtype=torch.int32) << e32, (e32 - 1) << 23)
+    return bits.view(torch.float32)
+
+
+# Blocks per MXFP4 quantizing chunk: the [blocks, 32, 16] candidate errors stay near 32 MB.
+_MXFP4_CHUNK_BLOCKS = 1 << 14
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] (K a multiple of 32) -> uint8 [N, K/32 * 17] MXFP4 blocks, gguf.quants.MXFP4's
+    bytes: e = floor(log2 max|x|) - 2 + 127 (0 for an all-zero block), then each weight's code is
+    the first of the 16 values v nearest to x by |(2^(e-128) v) - x| in fp32. log2 is numpy's
+    float32 log2, gguf's own, since its rounding just below a power of two decides e. Below
+    max|x| = 2^-125 the exponent is negative and wraps modulo 256 as gguf's uint8 cast does
+    (ggml's C cast is undefined there): such a block's huge scale quantizes it to zeros."""
+    rows, cols = weight.shape
+    if cols % BLOCK_SIZE:
+        raise ValueError(f"K must be a multiple of {BLOCK_SIZE} to quantize to mxfp4, got {cols}")
+    blocks = weight.detach().to(torch.float32).reshape(-1, BLOCK_SIZE)
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    out = torch.empty((blocks.shape[0], block_bytes(WeightFormat.MXFP4)), dtype=torch.uint8)
+    for first in range(0, blocks.shape[0], _MXFP4_CHUNK_BLOCKS):
+        chunk = blocks[first : first + _MXFP4_CHUNK_BLOCKS]
+        peak = chunk.abs().amax(dim=1, keepdim=True).numpy()
+        with np.errstate(divide="ignore"):
+            exponent = np.where(peak > 0, np.floor(np.log2(peak)) - 2 + 127, 0)
+        e = torch.from_numpy(exponent).to(torch.int32).bitwise_and(0xFF).to(torch.uint8)  # gguf's wrap
+        errors = (e8m0_half(e)[:, :, None] * values - chunk[:, :, None]).abs()  # [blocks, 32, 16]
+        codes = errors.argmin(dim=-1).to(torch.uint8)  # the first of equal errors, as gguf and ggml
+        out[first : first + chunk.shape[0]] = torch.cat([e, _pack_nibbles(codes)], dim=1)
+    return out.reshape(rows, -1)
 
 
 def _roundf(values: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ bits above the nibbles (Q5: 5th bits; Q6_K: 2-bit highs), then the nibbles (or Q
     Q4_K  d[16] | dmin[16] | scales[12 bytes][16] | quants per sub-block s = 0..7
     Q5_K  d[16] | dmin[16] | scales[12][16] | (qh, quants) per sub-block
     Q6_K  d[16] | scales[16 groups][16] int8 | (highs, quants) per sub-block
+    MXFP4 e[16] (e8m0 bytes) | quants      (nibbles as Q4_0's; the kernel maps codes to values)
 
 (fp16 fields as [16 columns]; K-quants' 12 scale bytes and Q6_K's 16 scales as GGUF stores them,
 byte row r = byte r of every column.) Per 32-weight (sub-)block, 16 columns x 16 bytes of nibbles

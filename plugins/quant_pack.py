@@ -41,8 +41,14 @@ _FP16_AT = {
     WeightFormat.Q4_K: (0, 2),
     WeightFormat.Q5_K: (0, 2),
     WeightFormat.Q6_K: (208,),
+    WeightFormat.MXFP4: (),  # its one scale is a byte, e8m0
 }
-_BYTE_FIELD = {WeightFormat.Q4_K: (4, 12), WeightFormat.Q5_K: (4, 12), WeightFormat.Q6_K: (192, 16)}
+_BYTE_FIELD = {
+    WeightFormat.Q4_K: (4, 12),
+    WeightFormat.Q5_K: (4, 12),
+    WeightFormat.Q6_K: (192, 16),
+    WeightFormat.MXFP4: (0, 1),
+}
 _QUANTS_AT = {
     WeightFormat.Q4_0: 2,
     WeightFormat.Q4_1: 4,
@@ -52,6 +58,7 @@ _QUANTS_AT = {
     WeightFormat.Q4_K: 16,
     WeightFormat.Q5_K: 48,
     WeightFormat.Q6_K: 0,
+    WeightFormat.MXFP4: 1,
 }
 # Bytes per 32-weight sub-block stored before its nibbles, for the 16 columns.
 _HIGH_BYTES = {WeightFormat.Q5_0: 64, WeightFormat.Q5_1: 64, WeightFormat.Q5_K: 64, WeightFormat.Q6_K: 128}
@@ -147,11 +154,14 @@ def _pack_chunk(src: np.ndarray, dst: np.ndarray, fmt: WeightFormat, int8_layout
     """src [T, col, nb, block bytes] (a view of the rows) -> dst [T, nb, 16 * block bytes]."""
     tiles, _, num_blocks, _ = src.shape
     lead = (tiles, num_blocks)
-    # fp16 fields [16 cols] each, moved as 16-bit words (every block size and fp16 offset is even)
-    first, count = _FP16_AT.get(fmt, (0,))[0] // 2, len(_FP16_AT.get(fmt, (0,)))
-    fp16 = src.view(np.uint16)[..., first : first + count]  # [T, col, nb, field]
-    _into(dst[:, :, : 32 * count].view(np.uint16), (*lead, count, TILE_COLUMNS), fp16.transpose(0, 2, 3, 1))
-    at = 32 * count
+    # fp16 fields [16 cols] each, moved as 16-bit words (every format with one has even block sizes
+    # and offsets; MXFP4, 17 bytes, has none)
+    fp16_at = _FP16_AT.get(fmt, (0,))
+    at = 32 * len(fp16_at)
+    if fp16_at:
+        first, count = fp16_at[0] // 2, len(fp16_at)
+        fp16 = src.view(np.uint16)[..., first : first + count]  # [T, col, nb, field]
+        _into(dst[:, :, :at].view(np.uint16), (*lead, count, TILE_COLUMNS), fp16.transpose(0, 2, 3, 1))
     if fmt in _BYTE_FIELD:
         offset, count = _BYTE_FIELD[fmt]
         field = src[..., offset : offset + count].transpose(0, 2, 3, 1)

@@ -26,7 +26,13 @@ def _quant_values(flat: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
     """GGUF blocks [B, bytes] of a nibble format -> each weight's unsigned quant [B, weights] uint8."""
     if block_weights(fmt) == SUPER_BLOCK:
         return k_quant_values(flat, fmt)
-    nibble_at = {WeightFormat.Q4_0: 2, WeightFormat.Q4_1: 4, WeightFormat.Q5_0: 6, WeightFormat.Q5_1: 8}[fmt]
+    nibble_at = {
+        WeightFormat.Q4_0: 2,
+        WeightFormat.Q4_1: 4,
+        WeightFormat.Q5_0: 6,
+        WeightFormat.Q5_1: 8,
+        WeightFormat.MXFP4: 1,
+    }[fmt]
     values = torch.cat([flat[:, nibble_at:] & 0x0F, flat[:, nibble_at:] >> 4], dim=-1)
     if fmt in (WeightFormat.Q5_0, WeightFormat.Q5_1):
         values = values | legacy_high_bits(flat, nibble_at - 4)
@@ -48,6 +54,8 @@ def high_bits(fmt: WeightFormat) -> int:
 
 def _scale_fields(blocks: torch.Tensor, fmt: WeightFormat) -> list[torch.Tensor]:
     """The per-block scalars of [.., 16 cols, bytes] blocks, each transposed to one row of 16 columns."""
+    if fmt is WeightFormat.MXFP4:  # its e8m0 byte: [16 cols]
+        return [blocks[..., 0]]
     fp16_at = {
         WeightFormat.Q4_1: (0, 2),
         WeightFormat.Q5_1: (0, 2),

@@ -10,6 +10,13 @@
 //                                         8g+4..8g+7 (hi), all bits merged (unsigned, <= 63)
 // Weight formulas follow gguf.quants.dequantize's fp32 roundings; where a product is exact (d fp16
 // has 11 significant bits, scales 6-8, quants 4-6: at most 24) one FMA rounds as numpy's add does.
+//
+// MXFP4 (gpt-oss's experts): one e8m0 byte e per column and 32 4-bit e2m1 codes, w = 2^(e-128) v
+// with v the code's value doubled (ggml's kvalues_mxfp4, integers |v| <= 12). Its nibbles lie as a
+// legacy block's; a byte lookup (pshufb) turns each code into v + 12 (0..24, unsigned like every
+// nibble format's quants), so the int8 path takes it as Q4_0 takes q (zero point 12, and the
+// scale, a power of two, makes d_w d_x exact) and the exact path computes (q - 12) * 2^(e-128),
+// both factors and the product exact: gguf's d * v bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +40,14 @@ template <Format F>
 constexpr bool is_k_quant() {
   return block_weights(F) == 256;
 }
+// MXFP4: code c -> its doubled e2m1 value + 12, as bytes, repeated in each 16-byte lane (lookup16).
+constexpr int32_t kMxfp4Zero = 12;
+alignas(64) constexpr uint8_t kMxfp4Biased[64] = {
+#define IFB_MXFP4_LANE 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+    IFB_MXFP4_LANE, IFB_MXFP4_LANE, IFB_MXFP4_LANE, IFB_MXFP4_LANE,
+#undef IFB_MXFP4_LANE
+};
+
 template <Format F>
 constexpr bool has_min() {  // w = q * scale + offset rather than (q - zero) * scale
   return F == Format::kQ4_1 || F == Format::kQ5_1 || F == Format::kQ4_K || F == Format::kQ5_K;
@@ -49,7 +64,7 @@ constexpr int64_t tile_stride(int64_t k) {
 
 template <Format F>
 struct Block {
-  V d;               // the block's fp16 d
+  V d;               // the block's fp16 d (MXFP4: its scale 2^(e-128))
   V scale[2];         // per 16-weight half (equal unless Q6_K): d, or d * sc for the K-quants
   V offset;           // m (Q4_1/Q5_1) or dmin * m (Q4_K/Q5_K)
   QI int_scale[2];    // Q6_K: the int8 scales of the two 16-weight halves
@@ -62,10 +77,19 @@ struct Block {
     constexpr int64_t kSubs = sub_blocks<F>();
     const uint8_t* base = tile + (b / kSubs) * tile_block_bytes<F>();
     const int sub = static_cast<int>(b % kSubs);
-    d = halves(base);
-    scale[0] = scale[1] = d;
     offset = zero();
-    if constexpr (F == Format::kQ4_0 || F == Format::kQ8_0) {
+    if constexpr (F == Format::kMXFP4) {
+      // 2^(e-128) = 2^(h-64) 2^(h+l-64) for e = 2h + l: two normal powers of two whose product is
+      // exact even where it is subnormal (e < 2, as ggml's bit patterns give it)
+      const QI e = bytes_unsigned(base), h = srli(e, 1);
+      d = mul(pow2(to_float(add(h, splat(-64)))), pow2(to_float(add(add(h, mask(e, 1)), splat(-64)))));
+    } else {
+      d = halves(base);
+    }
+    scale[0] = scale[1] = d;
+    if constexpr (F == Format::kMXFP4) {
+      quants = base + 16;
+    } else if constexpr (F == Format::kQ4_0 || F == Format::kQ8_0) {
       quants = base + 32;
     } else if constexpr (F == Format::kQ4_1) {
       offset = halves(base + 32);
@@ -132,9 +156,11 @@ struct Block {
   inline V weight(QI q, int e) const {
     if constexpr (F == Format::kQ8_0) {
       return mul(to_float(q), scale[0]);  // numpy: x * d
-    } else if constexpr (F == Format::kQ4_0 || F == Format::kQ5_0) {
-      // (q - zero) is exact and so is the product: d has 11 significant bits, q - zero at most 5.
-      return mul(scale[0], sub(to_float(q), broadcast(F == Format::kQ4_0 ? 8.0f : 16.0f)));
+    } else if constexpr (F == Format::kQ4_0 || F == Format::kQ5_0 || F == Format::kMXFP4) {
+      // (q - zero) is exact and so is the product: d has 11 significant bits, q - zero at most 5
+      // (MXFP4: d a power of two, v + 12 - 12 = v)
+      constexpr float kZero = F == Format::kQ4_0 ? 8.0f : F == Format::kQ5_0 ? 16.0f : float{kMxfp4Zero};
+      return mul(scale[0], sub(to_float(q), broadcast(kZero)));
     } else if constexpr (F == Format::kQ4_1 || F == Format::kQ5_1) {
       return fmadd(to_float(q), scale[0], offset);  // numpy rounds d * q (exact), then + m
     } else if constexpr (F == Format::kQ4_K || F == Format::kQ5_K) {
@@ -152,7 +178,11 @@ struct Block {
     } else {
       const QI raw = bytes_unsigned(quants + 16 * i);
       QI q0 = low_nibble(raw), q1 = high_nibble(raw);
-      if constexpr (high_bits<F>() == 1) {  // one uint32 per column, bit e = weight e's 5th bit
+      if constexpr (F == Format::kMXFP4) {  // (a lane's 3 upper bytes look up code 0: masked off)
+        const QI table = load_bytes(kMxfp4Biased);
+        q0 = mask(lookup16(table, q0), 0xFF);
+        q1 = mask(lookup16(table, q1), 0xFF);
+      } else if constexpr (high_bits<F>() == 1) {  // one uint32 per column, bit e = weight e's 5th bit
         q0 = merge_bits(q0, shift_bit(high[0], 2 * i, 4), splat(16));
         q1 = merge_bits(q1, shift_bit(high[0], 2 * i + 1, 4), splat(16));
       } else if constexpr (high_bits<F>() == 2) {  // two rows of uint32, bits 2e' of weight 16h + e'
@@ -170,7 +200,11 @@ struct Block {
     const QI raw = load_bytes(quants + 64 * g);
     lo = low_nibbles(raw);
     hi = high_nibbles(raw);
-    if constexpr (high_bits<F>() == 1) {  // byte b of a column: bit g = weight 8g+b, bit g+4 = 8g+4+b
+    if constexpr (F == Format::kMXFP4) {  // codes -> v + 12, byte for byte
+      const QI table = load_bytes(kMxfp4Biased);
+      lo = lookup16(table, lo);
+      hi = lookup16(table, hi);
+    } else if constexpr (high_bits<F>() == 1) {  // byte b of a column: bit g = weight 8g+b, bit g+4 = 8g+4+b
       lo = merge_bits(lo, move_bits8(high[0], g, 4), splat8(0x10));
       hi = merge_bits(hi, move_bits8(high[0], g + 4, 4), splat8(0x10));
     } else if constexpr (high_bits<F>() == 2) {

@@ -1,4 +1,4 @@
-// Block-quantized weight matmul kernels (Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K), AVX-512 or AVX2.
+// Block-quantized weight matmul kernels (Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K/MXFP4), AVX-512 or AVX2.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k], where w is dequantized in registers to its exact fp32 value
 // (the value gguf.quants.dequantize gives) and every output element is one serial chain of fp32

@@ -10,6 +10,8 @@
 //   Q8_0:      acc = fma(float(dot), d_w * d_x, acc)                     (w = q d_w)
 //   Q4_1/Q5_1: acc = fma(float(dot), d_w * d_x, acc); acc = fma(m_w, d_x * sum_x, acc)
 //   Q4_K/Q5_K: acc = fma(float(dot), (d sc) * d_x, acc); acc = fnma(dmin m, d_x * sum_x, acc)
+//   MXFP4:     acc = fma(float(dot - 12 sum_x), 2^(e-128) * d_x, acc)     (w = (q - 12) 2^(e-128),
+//              q = the code's doubled e2m1 value + 12; the scale product is exact, a power of two)
 //   Q6_K:      acc = fma(float(sc0 (dot0 - 32 s0) + sc1 (dot1 - 32 s1)), d * d_x, acc)
 //              (dot_h, s_h over the 16-weight halves, each with its int8 scale; exact in int32)
 //
@@ -66,12 +68,13 @@ inline void q6_k_start(const Int8Problem& p, int64_t at, QI& first, QI& second) 
 }
 
 // The integer accumulator's start for a block whose activations sum to `sum_x`: it folds the
-// zero points of Q4_0 (-8) and Q5_0 (-16) and the VNNI path's +128 on signed weights into exact
+// zero points of Q4_0 (-8), Q5_0 (-16) and MXFP4 (-12) and the VNNI path's +128 on signed weights into exact
 // integer arithmetic. (Q6_K's -32 is applied per 16-weight half, with its scales.)
 template <Format F>
 inline int32_t dot_start(int32_t sum_x) {
   if constexpr (F == Format::kQ4_0) return -8 * sum_x;
   if constexpr (F == Format::kQ5_0) return -16 * sum_x;
+  if constexpr (F == Format::kMXFP4) return -kMxfp4Zero * sum_x;
   if constexpr (F == Format::kQ8_0) return -kSignedOffset * sum_x;
   return 0;
 }

@@ -93,6 +93,9 @@ inline QI merge_bits(QI a, QI b, QI keep) { return {_mm512_ternarylogic_epi32(a.
 inline QI splat8(int8_t x) { return {_mm512_set1_epi8(x)}; }
 inline QI srli16(QI q, unsigned n) { return {_mm512_srli_epi16(q.a, n)}; }
 inline QI slli16(QI q, unsigned n) { return {_mm512_slli_epi16(q.a, n)}; }
+// Byte-wise table lookup: byte j of the result is byte (idx[j] & 15) of the 16-byte lane of
+// `table` that holds j (0 where idx[j] has bit 7 set); tables repeat their 16 bytes in every lane.
+inline QI lookup16(QI table, QI idx) { return {_mm512_shuffle_epi8(table.a, idx.a)}; }
 
 #if defined(__AVX512VNNI__)
 constexpr const char* kDotPath = "vnni";
@@ -244,6 +247,9 @@ inline QI srli16(QI q, unsigned n) {
 inline QI slli16(QI q, unsigned n) {
   const __m128i count = _mm_cvtsi32_si128(static_cast<int>(n));
   return {_mm256_sll_epi16(q.lo, count), _mm256_sll_epi16(q.hi, count)};
+}
+inline QI lookup16(QI table, QI idx) {
+  return {_mm256_shuffle_epi8(table.lo, idx.lo), _mm256_shuffle_epi8(table.hi, idx.hi)};
 }
 
 constexpr const char* kDotPath = "maddubs";

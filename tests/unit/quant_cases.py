@@ -16,15 +16,22 @@ _FP16_FIELDS = {
     WeightFormat.Q4_K: (0, 2),
     WeightFormat.Q5_K: (0, 2),
     WeightFormat.Q6_K: (208,),
+    WeightFormat.MXFP4: (),
 }
 
 
 def random_blocks(n: int, k: int, fmt: WeightFormat, seed: int) -> torch.Tensor:
-    """Random quant and scale bytes with finite fp16 scales (some zero, some subnormal) in GGUF layout."""
+    """Random quant and scale bytes with finite fp16 scales (some zero, some subnormal) in GGUF layout;
+    MXFP4's e8m0 scales 2^-13 .. 2^-1 (times its values up to 12), some 2^-128 and 2^-127 (subnormal)."""
     generator = torch.Generator().manual_seed(seed)
     size = block_bytes(fmt)
     num_blocks = n * k // block_weights(fmt)
     blocks = torch.randint(0, 256, (num_blocks, size), dtype=torch.uint8, generator=generator)
+    if fmt is WeightFormat.MXFP4:
+        blocks[:, 0] = torch.randint(115, 128, (num_blocks,), dtype=torch.uint8, generator=generator)
+        blocks[::7, 0] = 0
+        blocks[1::11, 0] = 1
+        return blocks.reshape(n, -1)
     offsets = _FP16_FIELDS[fmt]
     # Smaller for the K-quants, whose 6-8 bit scales multiply d again.
     spread = 0.05 if block_weights(fmt) == 32 else 0.002

@@ -16,7 +16,7 @@ from quant_cases import random_blocks, random_x
 from ifb.plugins import quant_ops
 from ifb.plugins.grouped_experts import grouped_experts, reference_grouped_experts
 from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
-from ifb.plugins.quant_formats import WeightCompute, WeightFormat, dequantize, quantize
+from ifb.plugins.quant_formats import WeightCompute, WeightFormat, dequantize, quantize, quantize_mxfp4
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 64, 6, 2
 DENSE = WeightFormat.FP32
@@ -29,6 +29,8 @@ CASES = [
     (WeightFormat.Q8_0, WeightCompute.INT8),
     (WeightFormat.Q4_0, WeightCompute.FP32),
     (WeightFormat.Q4_0, WeightCompute.INT8),
+    (WeightFormat.MXFP4, WeightCompute.FP32),  # gpt-oss's experts
+    (WeightFormat.MXFP4, WeightCompute.INT8),
 ]
 IDS = [f"{fmt.value if fmt else 'bf16'}-{compute.value}" for fmt, compute in CASES]
 
@@ -59,7 +61,7 @@ class Experts:
         packer = quant_ops.pack_int8 if compute is WeightCompute.INT8 else quant_ops.pack
         stacked, exact = [], []
         for weights in (gate_up, down):
-            blocks = [quantize(w, fmt) for w in weights]
+            blocks = [quantize_mxfp4(w) if fmt is WeightFormat.MXFP4 else quantize(w, fmt) for w in weights]
             n, k = weights.shape[1:]
             stacked.append(torch.stack([packer(b, fmt, n, k) for b in blocks]).contiguous())
             exact.append(torch.stack([dequantize(b, fmt).reshape(n, k) for b in blocks]))
@@ -129,7 +131,7 @@ def test_experts_no_row_selects_are_not_read(
     if fmt is DENSE or fmt is None:
         experts.gate_up[3:] = float("nan")
         experts.down[3:] = float("nan")
-    else:  # every byte 0xFF: every fp16 scale field is a NaN
+    else:  # every byte 0xFF: every fp16 scale field is a NaN (MXFP4: scale 2^127, weights -inf)
         experts.gate_up[3:] = 255
         experts.down[3:] = 255
     poisoned = experts(x, ids, weights)

@@ -1,4 +1,4 @@
-"""Q5_0/Q5_1 and the K-quants (Q4_K/Q5_K/Q6_K) in both kernels, and the embedding gather for all formats.
+"""Q5_0/Q5_1, the K-quants (Q4_K/Q5_K/Q6_K) and MXFP4 in both kernels, and the embedding gather for all formats.
 
 Pins: the pure-torch and the in-register dequantization are gguf's exact bits for random valid
 blocks; the exact matmul is within fp32 rounding of float64, the int8 one within its bound of
@@ -34,7 +34,14 @@ from ifb.plugins.quant_formats import (
 )
 from ifb.runtime.step.quant_linear import QuantLinear, packed_shape
 
-NEW_FORMATS = [WeightFormat.Q5_0, WeightFormat.Q5_1, WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K]
+NEW_FORMATS = [
+    WeightFormat.Q5_0,
+    WeightFormat.Q5_1,
+    WeightFormat.Q4_K,
+    WeightFormat.Q5_K,
+    WeightFormat.Q6_K,
+    WeightFormat.MXFP4,
+]
 ALL_FORMATS = [fmt for fmt in WeightFormat if fmt.is_block]
 PACKERS = {WeightCompute.FP32: quant_ops.pack, WeightCompute.INT8: quant_ops.pack_int8}
 
@@ -79,7 +86,7 @@ def matmul(
 
 def test_format_table_is_gguf_s() -> None:
     """Every GGUF type name maps to the format of that name, with gguf's block bytes and weights."""
-    assert set(GGUF_TYPE_NAMES) == {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+    assert set(GGUF_TYPE_NAMES) == {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
     for name, fmt in GGUF_TYPE_NAMES.items():
         weights, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
         assert fmt.name == name and (block_weights(fmt), block_bytes(fmt)) == (weights, size)
