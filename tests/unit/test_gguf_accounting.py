@@ -24,7 +24,9 @@ from ifb.builder.gguf_tensors import GgufTensors
 from ifb.builder.hf_config import model_spec_from_hf_config
 from ifb.builder.rope import rope_tables
 from ifb.builder.sources import gguf_config
-from ifb.builder.weight_loader import plan_weights, warn_dequantized
+from ifb.builder.weight_loader import network_state, plan_weights, warn_dequantized
+from ifb.plugins import quant_ops
+from ifb.plugins.quant_formats import WeightCompute, WeightFormat, dequantize
 
 V = gguf.GGUFValueType
 HEAD_DIM = 16  # tiny_config: 64 wide, 4 heads
@@ -100,6 +102,50 @@ def test_mixture_of_experts_llama_reads_as_mixtral(llama_gguf: Path, tmp_path: P
     )
     with pytest.raises(UnsupportedModelError, match=r"llama GGUF has shared experts \(blk.0.ffn_up_shexp.weight"):
         gguf_config(shared)
+
+
+def test_mxfp4_experts_are_kept_as_blocks_as_gguf_reads_them(llama_gguf: Path, tmp_path: Path) -> None:
+    """gpt-oss's expert type: a Mixtral-style file whose stacked experts are MXFP4 (written with
+    gguf-py's quantizer) keeps them as MXFP4 blocks (no dequantization warning); each expert's
+    rows are the file's bytes, dequantize to gguf-py's values bit for bit, and the engine stores
+    them packed as the kernels read them, for both compute modes."""
+    experts, hidden, width = 4, 64, 256
+    rng = np.random.default_rng(3)
+    stacked: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]] = {}
+    drop = []
+    for layer in range(2):
+        for part, (rows, cols) in (("gate", (width, hidden)), ("up", (width, hidden)), ("down", (hidden, width))):
+            values = rng.normal(0, 0.05, (experts, rows, cols)).astype(np.float32)
+            blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.MXFP4)
+            stacked[f"blk.{layer}.ffn_{part}_exps.weight"] = (blocks, gguf.GGMLQuantizationType.MXFP4)
+            drop.append(f"blk.{layer}.ffn_{part}.weight")
+        stacked[f"blk.{layer}.ffn_gate_inp.weight"] = (rng.normal(0, 1, (experts, hidden)).astype(np.float32), None)
+    path = rewrite(
+        llama_gguf,
+        tmp_path / "mxfp4-moe.gguf",
+        fields={"llama.expert_count": (experts, V.UINT32), "llama.expert_used_count": (2, V.UINT32)},
+        tensors=stacked,
+        drop=tuple(drop),
+    )
+    tensors = _tensors(path)
+    assert tensors.info("blk.1.ffn_down_exps.weight").block_format is WeightFormat.MXFP4
+    plan = plan_weights(tensors, "auto")
+    modules = ("layers.0.mlp.experts_gate_up", "layers.1.mlp.experts_gate_up", "layers.1.mlp.experts_down")
+    assert all(plan.formats[module] is WeightFormat.MXFP4 for module in modules)
+    assert plan.dequantized == ()
+    gate_up = [tensors.expert_block_rows("layers.1.mlp.experts_gate_up", e) for e in range(experts)]
+    file_gate, file_up = (stacked[f"blk.1.ffn_{part}_exps.weight"][0] for part in ("gate", "up"))
+    for expert, (gate, up) in enumerate(gate_up):
+        assert np.array_equal(gate.numpy(), file_gate[expert]) and np.array_equal(up.numpy(), file_up[expert])
+        ours = dequantize(torch.cat([gate, up]), WeightFormat.MXFP4).numpy()
+        theirs = gguf.quants.dequantize(
+            np.concatenate([file_gate[expert], file_up[expert]]), gguf.GGMLQuantizationType.MXFP4
+        )
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    for compute, packer in ((WeightCompute.FP32, quant_ops.pack), (WeightCompute.INT8, quant_ops.pack_int8)):
+        state = dict(network_state(tensors, plan, compute))
+        expected = torch.stack([packer(parts, WeightFormat.MXFP4, 2 * width, hidden) for parts in gate_up])
+        assert torch.equal(state["layers.1.mlp.experts_gate_up"], expected), compute
 
 
 @pytest.mark.parametrize(
