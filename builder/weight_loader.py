@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from ifb.builder.gguf_tensors import TensorInfo
+from ifb.builder.read_ahead import read_ahead
 from ifb.plugins.quant_formats import BLOCK_SIZE, WeightCompute, WeightFormat, block_weights, quantize
 from ifb.runtime.engine_format import ModelSpec
 from ifb.runtime.step.network import EMBED_KEY, linear_part_rows
@@ -164,7 +165,14 @@ def warn_dequantized(plan: WeightPlan, dtype_bytes: int) -> None:
 
 
 def network_state(source: TensorSource, plan: WeightPlan, compute: WeightCompute) -> Iterator[tuple[str, torch.Tensor]]:
-    """The network's stored tensors, one module at a time (fp32 for dense ones)."""
+    """The network's stored tensors, one module at a time (fp32 for dense ones), each read and packed
+    on a worker thread while the caller writes the one before (builder/read_ahead.py)."""
+    return read_ahead(_network_state(source, plan, compute), lambda item: item[1].numel() * item[1].element_size())
+
+
+def _network_state(
+    source: TensorSource, plan: WeightPlan, compute: WeightCompute
+) -> Iterator[tuple[str, torch.Tensor]]:
     spec = source.spec
     packer = PACKERS[compute]
     for module in linear_part_rows(spec):
