@@ -2,7 +2,7 @@
 
 The builder never loads a GGUF whole: builder/gguf_fields.py reads the header (gguf's GGUFReader
 parsed every vocabulary entry: 7-17 s for a 128k-262k vocabulary), each tensor's bytes are mapped
-only while it is copied out, and each tensor is turned into what the engine stores only when its
+only while it is read (packed or copied out), and each tensor is turned into what the engine stores only when its
 module is built — raw block rows for the formats our kernels read (`GGUF_TYPE_NAMES`), fp32 for
 the rest (F32/F16/BF16, and block types without a kernel, dequantized by `gguf.quants`). So the
 build's memory is the engine's weights plus one module in flight, not the ~20x of a dequantizing
