@@ -280,8 +280,3 @@ def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _architecture(header: GgufHeader) -> str:
     return str(field_value(header, "general.architecture"))
-
-
-def gguf_tensor_types(path: Path) -> dict[str, str]:
-    """Tensor name -> GGUF type name, from the header only."""
-    return {t.name: t.tensor_type.name for t in read_gguf_header(path, lambda key: False).tensors}
