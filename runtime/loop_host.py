@@ -5,9 +5,9 @@ worker threads that outlives the work, and once a process manages more such thre
 cores it throttles every team's spin-wait, so every parallel region pays a futex wake-up. On the
 2-core Xeon, 200 parallel adds took 21 ms on one thread and 34 ms (1.6x) while a second thread
 that had once run the same work sat idle; a thread that ran OpenMP work and exited left no cost
-(its team goes with it). A loaded model with a loop thread of its own thus made every other
-model's steps ~1.6x slower even while it served nothing, and two busy models ran two teams over
-the same cores. On one thread the models' steps take turns with one team, each step using every
+(its team goes with it). With a loop thread per model, a busy SmolLM2 ran at 0.22-0.24 x its
+speed alone while a second copy sat loaded and idle, and two busy copies at 0.69-0.72 x one
+(bench/shared_cores.py, quiet; 0.99-1.02 x and 0.94-0.99 x on the loop host). On one thread the models' steps take turns with one team, each step using every
 core (`--threads`); engines are loaded on short-lived threads (Executor.start), so a load runs
 beside the others' steps and leaves nothing behind.
 
