@@ -1,4 +1,4 @@
-"""Executor: the one thread that owns the step loop (docs/design.md §4), in a fixed order.
+"""Executor: a model's step loop (docs/design.md §4), one turn at a time on the loop host, in a fixed order.
 
     1 take new requests and aborts from the inbox   2 scheduler.schedule()
     3 build_step_inputs                              4 engine.step
