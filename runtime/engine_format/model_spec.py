@@ -60,6 +60,9 @@ class ModelSpec:
     # Gemma 2's soft-capping: attention scores and final logits x become cap * tanh(x / cap)
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # gpt-oss: each query head has a learned sink logit that joins its softmax's max and
+    # denominator and weights no value (the layer's `sinks` weight, [num_heads], fp32)
+    attention_sinks: bool = False
     # Biases beyond q/k/v's (attention_bias): o_proj's (Llama, Qwen3, SmolLM3, Gemma with
     # `attention_bias: true`) and the MLP's gate/up/down (Llama, SmolLM3 with `mlp_bias: true`)
     attention_out_bias: bool = False

@@ -144,6 +144,10 @@ class Attention(nn.Module):
         # Mistral, Phi-3, Gemma 3's local layers: each query sees its last `window` keys
         self.window = spec.layer_window(index)
         self.softcap = spec.attn_logit_softcap  # Gemma 2: scores capped before the softmax
+        # gpt-oss: a sink logit per query head in each softmax's denominator (kept fp32, as read)
+        self.sinks: torch.Tensor | None = None
+        if spec.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=torch.float32), requires_grad=False)
         self.ops = ops
         # Qwen3, Gemma 3 normalize each head's q and k before RoPE, OLMoE all heads together; an
         # identity keeps one forward for all
