@@ -130,9 +130,9 @@ def aoti_configs() -> dict[str, object]:
         torch.ops.ifb_quant.paged_decode_attention_softcap.default: [PAGED_DECODE_ATTENTION_SOFTCAP_SHIM],
         torch.ops.ifb_quant.quant_embedding.default: [QUANT_EMBEDDING_SHIM],
     }
-    from ifb.plugins.grouped_experts import GROUPED_EXPERTS_SHIM  # its op's schema lives with it
+    from ifb.plugins.grouped_experts import grouped_experts_shims  # its ops' schemas live with them
 
-    shims[torch.ops.ifb_quant.grouped_experts.default] = [GROUPED_EXPERTS_SHIM]
+    shims.update(grouped_experts_shims())
     return {"aot_inductor.custom_ops_to_c_shims": shims}
 
 

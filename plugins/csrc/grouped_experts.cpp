@@ -1,8 +1,12 @@
 // The mixture-of-experts layer as one op: a step's rows grouped by expert, each selected expert's
 // weights read once for all of its rows, experts no row selected not touched.
 //
-// y[r] = sum over r's top-k slots j, in ascending expert id, of w[r, j] * down_e(silu(gate_e(x[r])) * up_e(x[r]))
+// y[r] = sum over r's top-k slots j, in ascending expert id, of w[r, j] * down_e(act(gate_e(x[r]), up_e(x[r])))
 // with e = ids[r, j] (transformers' Qwen3MoeExperts adds the experts' outputs in that order).
+// `grouped_experts` is act = silu(gate) * up, no biases. `grouped_experts_variant` takes the variant
+// as named fields (`act=swiglu_clamped;alpha=1.702;limit=7`, parsed here, unknown names refused) and
+// optional per-expert biases added to gate/up's and down's outputs (gpt-oss), so the next variant
+// is a field, not a new signature.
 // x and w are float32, or both a 16-bit engine's dtype: widened exactly, summed in float32, y rounded
 // to x's dtype at the end (a compiled graph that did these casts itself could fuse them away:
 // AOTInductor computes across a bf16 -> fp32 round trip without rounding, unlike the eager network).
@@ -26,9 +30,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "expert_variant.h"
 #include "quant_kernels.h"
 
 #define IFB_EXPORT extern "C" __attribute__((visibility("default")))
@@ -141,9 +147,30 @@ bool int8_compute(c10::string_view compute) {
   return false;
 }
 
-at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights_,
-                           const at::Tensor& gate_up, const at::Tensor& down, c10::string_view gate_up_format,
-                           c10::string_view down_format, c10::string_view compute, int64_t intermediate) {
+// An optional per-expert bias [E, width] as float32 (16-bit ones widened exactly); empty: none.
+at::Tensor expert_bias(const std::optional<at::Tensor>& bias, int64_t num_experts, int64_t width, const char* what) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  const at::Tensor& b = *bias;
+  TORCH_CHECK(b.device().is_cpu() && is_activation_type(b.scalar_type()) && b.dim() == 2 && b.size(0) == num_experts &&
+                  b.size(1) == width,
+              "ifb_quant: ", what, " must be a CPU float tensor [", num_experts, ", ", width, "], got ", b.scalar_type(),
+              " ", b.sizes());
+  return b.to(at::kFloat).contiguous();
+}
+
+// y[i, c] += bias[c] for the m rows of one expert (nothing where there is no bias)
+void add_bias(const at::Tensor& bias, int64_t expert, float* y, int64_t m, int64_t width) {
+  if (!bias.defined()) return;
+  const float* b = bias.const_data_ptr<float>() + expert * width;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = 0; c < width; ++c) y[i * width + c] += b[c];
+}
+
+at::Tensor run_grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights_,
+                               const at::Tensor& gate_up, const at::Tensor& down, c10::string_view gate_up_format,
+                               c10::string_view down_format, c10::string_view compute, int64_t intermediate,
+                               const Variant& variant, const std::optional<at::Tensor>& gate_up_bias_,
+                               const std::optional<at::Tensor>& down_bias_) {
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && is_activation_type(dtype) && x.dim() == 2,
               "ifb_quant: x must be a CPU float32, bfloat16 or float16 tensor [rows, hidden], got ", dtype, " ",
@@ -160,6 +187,8 @@ at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, co
   const bool int8 = int8_compute(compute);
   const ExpertWeights up = expert_weights(gate_up, gate_up_format, num_experts, 2 * intermediate, hidden, "gate_up");
   const ExpertWeights dn = expert_weights(down, down_format, num_experts, hidden, intermediate, "down");
+  const at::Tensor gate_up_bias = expert_bias(gate_up_bias_, num_experts, 2 * intermediate, "gate_up_bias");
+  const at::Tensor down_bias = expert_bias(down_bias_, num_experts, hidden, "down_bias");
   TORCH_CHECK(!int8 || (!up.dense && !dn.dense), "ifb_quant: int8 compute needs block-format expert weights");
   // 16-bit activations and routing weights are widened exactly (no copy for float32); the sums run
   // in float32 and the result is rounded to x's dtype once, here, where no compiler can drop it
@@ -190,14 +219,12 @@ at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, co
       std::copy_n(xd + slots[begin + i] / top_k * hidden, hidden, gathered.data() + i * hidden);
     hidden_up.resize(static_cast<size_t>(m * 2 * intermediate));
     expert_matmul(up, e, int8, gathered.data(), m, hidden_up.data());
+    add_bias(gate_up_bias, e, hidden_up.data(), m, 2 * intermediate);
     act.resize(static_cast<size_t>(m * intermediate));
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t c = 0; c < intermediate; ++c) {
-        const float g = hidden_up[i * 2 * intermediate + c], u = hidden_up[i * 2 * intermediate + intermediate + c];
-        act[i * intermediate + c] = g / (1.0f + std::exp(-g)) * u;  // silu(gate) * up
-      }
+    activate(variant, hidden_up.data(), m, intermediate, act.data());
     gathered.resize(static_cast<size_t>(m * hidden));
     expert_matmul(dn, e, int8, act.data(), m, gathered.data());
+    add_bias(down_bias, e, gathered.data(), m, hidden);
     for (int64_t i = 0; i < m; ++i) std::copy_n(gathered.data() + i * hidden, hidden, out + slots[begin + i] * hidden);
   }
   // Each row's weighted sum over its slots in ascending expert id: depends on that row only
@@ -218,10 +245,29 @@ at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, co
   return y.to(dtype);
 }
 
+at::Tensor grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
+                           const at::Tensor& gate_up, const at::Tensor& down, c10::string_view gate_up_format,
+                           c10::string_view down_format, c10::string_view compute, int64_t intermediate) {
+  return run_grouped_experts(x, expert_ids, expert_weights, gate_up, down, gate_up_format, down_format, compute,
+                             intermediate, Variant{}, std::nullopt, std::nullopt);
+}
+
+at::Tensor grouped_experts_variant(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& expert_weights,
+                                   const at::Tensor& gate_up, const at::Tensor& down, c10::string_view gate_up_format,
+                                   c10::string_view down_format, c10::string_view compute, int64_t intermediate,
+                                   c10::string_view variant, const std::optional<at::Tensor>& gate_up_bias,
+                                   const std::optional<at::Tensor>& down_bias) {
+  return run_grouped_experts(x, expert_ids, expert_weights, gate_up, down, gate_up_format, down_format, compute,
+                             intermediate, parse_variant(variant), gate_up_bias, down_bias);
+}
+
 }  // namespace
 }  // namespace ifb_quant
 
-TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) { m.impl("grouped_experts", &ifb_quant::grouped_experts); }
+TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) {
+  m.impl("grouped_experts", &ifb_quant::grouped_experts);
+  m.impl("grouped_experts_variant", &ifb_quant::grouped_experts_variant);
+}
 
 IFB_EXPORT AOTITorchError aoti_torch_cpu_grouped_experts(AtenTensorHandle x, AtenTensorHandle expert_ids,
                                                           AtenTensorHandle expert_weights, AtenTensorHandle gate_up,
@@ -234,6 +280,27 @@ IFB_EXPORT AOTITorchError aoti_torch_cpu_grouped_experts(AtenTensorHandle x, Ate
         *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(expert_ids),
         *tensor_handle_to_tensor_pointer(expert_weights), *tensor_handle_to_tensor_pointer(gate_up),
         *tensor_handle_to_tensor_pointer(down), gate_up_format, down_format, compute, intermediate);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
+  });
+}
+
+// Optional tensors come as a pointer to a handle, nullptr for None (AOTInductor's cpp wrapper).
+IFB_EXPORT AOTITorchError aoti_torch_cpu_grouped_experts_variant(
+    AtenTensorHandle x, AtenTensorHandle expert_ids, AtenTensorHandle expert_weights, AtenTensorHandle gate_up,
+    AtenTensorHandle down, const char* gate_up_format, const char* down_format, const char* compute,
+    int64_t intermediate, const char* variant, AtenTensorHandle* gate_up_bias, AtenTensorHandle* down_bias,
+    AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    const auto optional = [](AtenTensorHandle* handle) -> std::optional<at::Tensor> {
+      if (handle == nullptr) return std::nullopt;
+      return *tensor_handle_to_tensor_pointer(*handle);
+    };
+    at::Tensor y = ifb_quant::grouped_experts_variant(
+        *tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(expert_ids),
+        *tensor_handle_to_tensor_pointer(expert_weights), *tensor_handle_to_tensor_pointer(gate_up),
+        *tensor_handle_to_tensor_pointer(down), gate_up_format, down_format, compute, intermediate, variant,
+        optional(gate_up_bias), optional(down_bias));
     *ret0 = torch::aot_inductor::new_tensor_handle(std::move(y));
   });
 }

@@ -5,6 +5,9 @@ reads: dense, or the blocks dequantized) for dense experts and block formats in 
 a row's bits are the same alone and in a batch (rows sharing its experts or not, in any order);
 a step where no row selects some experts never reads those experts' weights (NaN weights there do
 not reach the output), and one where every row selects the same expert is still each row alone.
+The variant op (gpt-oss: clamped SwiGLU, per-expert biases) the same, every case again; its
+fields are parsed by name (unknown ones refused), and with the plain fields and no bias it is the
+plain op bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ import torch
 from quant_cases import random_blocks, random_x
 
 from ifb.plugins import quant_ops
-from ifb.plugins.grouped_experts import grouped_experts, reference_grouped_experts
+from ifb.plugins.grouped_experts import (
+    ExpertActivation,
+    ExpertVariant,
+    expert_format,
+    grouped_experts,
+    grouped_experts_call,
+    reference_grouped_experts,
+)
 from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat, dequantize, quantize, quantize_mxfp4
 
@@ -210,3 +220,189 @@ def test_16_bit_activations_are_widened_and_the_result_rounded_inside(
     assert torch.equal(ours, experts(x.float(), ids, weights.float()).to(dtype))
     with pytest.raises(RuntimeError, match="expert_weights must be"):
         experts(x, ids, weights.float())
+
+
+# gpt-oss's alpha; a limit of 1 (gpt-oss: 7) so the clamps act on these unit-scale activations:
+# VariantExperts.clamped says how often
+CLAMPED = ExpertVariant(ExpertActivation.SWIGLU_CLAMPED, alpha=1.702, limit=1.0)
+
+
+class VariantExperts(Experts):
+    """Experts of the variant op: the clamped SwiGLU and random O(1) biases on gate/up and down."""
+
+    def __init__(self, fmt: WeightFormat | None, compute: WeightCompute, seed: int = 0) -> None:
+        super().__init__(fmt, compute, seed)
+        generator = torch.Generator().manual_seed(100 + seed)
+        self.gate_up_bias = torch.randn(EXPERTS, 2 * INTERMEDIATE, generator=generator) * 0.5
+        self.down_bias = torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.5
+        if fmt is None:  # a 16-bit engine holds its biases in its dtype too
+            self.gate_up_bias, self.down_bias = self.gate_up_bias.bfloat16(), self.down_bias.bfloat16()
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        formats = (self.fmt, self.fmt)
+        return grouped_experts_call(
+            x, ids, weights, self.gate_up, self.down, formats, self.compute, INTERMEDIATE, CLAMPED,
+            self.gate_up_bias, self.down_bias,
+        )  # fmt: skip
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return reference_grouped_experts(
+            x, ids, weights, *self.exact, INTERMEDIATE, CLAMPED, self.gate_up_bias.float(), self.down_bias.float()
+        )
+
+    def clamped(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[float, float]:
+        """The fractions of the selected experts' gate values above the limit and up values outside it."""
+        h = torch.stack([x[r] @ self.exact[0][e].T + self.gate_up_bias[e].float() for r, e in _pairs(ids)])
+        gate, up = h[:, :INTERMEDIATE], h[:, INTERMEDIATE:]
+        assert CLAMPED.limit is not None
+        return (gate > CLAMPED.limit).float().mean().item(), (up.abs() > CLAMPED.limit).float().mean().item()
+
+
+def _pairs(ids: torch.Tensor) -> list[tuple[int, int]]:
+    return [(row, int(e)) for row in range(ids.shape[0]) for e in ids[row]]
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_the_variant_is_the_per_row_per_expert_definition(
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+) -> None:
+    """Clamped SwiGLU and both biases against float64 on the kernel's exact weights, on rows where
+    the clamps act (a tenth or more of the gate and up values past the limit); and the op moves by
+    far more than the tolerance when a bias or the clamp is left out of the reference."""
+    experts = VariantExperts(fmt, compute)
+    x = random_x(13, HIDDEN, seed=3)
+    ids, weights = routing(13, seed=4)
+    gate_clamped, up_clamped = experts.clamped(x, ids)
+    assert gate_clamped > 0.1 and up_clamped > 0.1, (gate_clamped, up_clamped)
+    ours = experts(x, ids, weights).double()
+    tolerance = 2e-2 if compute is WeightCompute.INT8 else 1e-5
+
+    def error(expected: torch.Tensor) -> float:
+        return (ours - expected).abs().max().item() / expected.abs().max().item()
+
+    assert error(experts.reference(x, ids, weights)) < tolerance
+    unclamped = ExpertVariant(ExpertActivation.SWIGLU_CLAMPED, alpha=1.702, limit=1e9)
+    gate_up_bias, down_bias = experts.gate_up_bias.float(), experts.down_bias.float()
+    wrong = {
+        "no gate/up bias": reference_grouped_experts(x, ids, weights, *experts.exact, INTERMEDIATE, CLAMPED, None, down_bias),
+        "no down bias": reference_grouped_experts(x, ids, weights, *experts.exact, INTERMEDIATE, CLAMPED, gate_up_bias, None),
+        "no clamp": reference_grouped_experts(
+            x, ids, weights, *experts.exact, INTERMEDIATE, unclamped, gate_up_bias, down_bias
+        ),
+    }  # fmt: skip
+    for what, expected in wrong.items():
+        assert error(expected) > 10 * tolerance, what
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_a_rows_bits_are_the_same_alone_and_in_any_batch_with_the_variant(
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+) -> None:
+    experts = VariantExperts(fmt, compute, seed=1)
+    x = random_x(21, HIDDEN, seed=5)
+    ids, weights = routing(21, seed=6)
+    batched = experts(x, ids, weights)
+    reversed_rows = experts(x.flip(0), ids.flip(0), weights.flip(0)).flip(0)
+    for row in range(21):
+        alone = experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1])
+        assert torch.equal(alone[0], batched[row]), row
+        assert torch.equal(alone[0], reversed_rows[row]), row
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_the_variants_unselected_experts_and_their_biases_are_not_read(
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+) -> None:
+    """Rows routed to experts 0-2 only: experts 3-5's weights and biases NaN, the output the clean
+    one; selected, the poison shows."""
+    experts = VariantExperts(fmt, compute, seed=2)
+    x = random_x(9, HIDDEN, seed=7)
+    ids, weights = routing(9, seed=8, experts=(0, 1, 2))
+    clean = experts(x, ids, weights)
+    if fmt is DENSE or fmt is None:
+        experts.gate_up[3:] = float("nan")
+        experts.down[3:] = float("nan")
+    else:
+        experts.gate_up[3:] = 255
+        experts.down[3:] = 255
+    experts.gate_up_bias[3:] = float("nan")
+    experts.down_bias[3:] = float("nan")
+    poisoned = experts(x, ids, weights)
+    assert torch.equal(poisoned, clean)
+    every = torch.tensor([[4, 5]], dtype=torch.int64)
+    assert not torch.isfinite(experts(x[:1], every, weights[:1])).all()
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_every_row_on_the_same_expert_with_the_variant_is_each_row_alone(
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+) -> None:
+    experts = VariantExperts(fmt, compute, seed=3)
+    rows = 17
+    x = random_x(rows, HIDDEN, seed=9)
+    ids = torch.stack([torch.tensor([2, (row % (EXPERTS - 1) + 3) % EXPERTS]) for row in range(rows)]).to(torch.int64)
+    weights = torch.softmax(torch.randn(rows, TOP_K, generator=torch.Generator().manual_seed(10)), dim=-1)
+    batched = experts(x, ids, weights)
+    for row in range(rows):
+        assert torch.equal(experts(x[row : row + 1], ids[row : row + 1], weights[row : row + 1])[0], batched[row])
+    expected = experts.reference(x, ids, weights)
+    error = (batched.double() - expected).abs().max().item() / expected.abs().max().item()
+    assert error < (2e-2 if compute is WeightCompute.INT8 else 1e-5), error
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_the_plain_fields_without_biases_are_the_plain_op_bit_for_bit(
+    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+) -> None:
+    experts = Experts(fmt, compute, seed=5)
+    x = random_x(11, HIDDEN, seed=15)
+    ids, weights = routing(11, seed=16)
+    plain = experts(x, ids, weights)
+    formats = (expert_format(experts.fmt), expert_format(experts.fmt))
+    for fields in ("", "act=swiglu"):
+        variant = torch.ops.ifb_quant.grouped_experts_variant(
+            x, ids, weights, experts.gate_up, experts.down, *formats, experts.compute.value, INTERMEDIATE,
+            fields, None, None,
+        )  # fmt: skip
+        assert torch.equal(variant, plain), fields
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ("act=gelu", "unknown grouped_experts activation 'gelu'"),
+        ("act=swiglu_clamped;alpha=1.702;limit=7;beta=2", "unknown grouped_experts variant field 'beta'"),
+        ("act=swiglu_clamped;alpha=1.702", "alpha and limit go with act=swiglu_clamped, and only with it"),
+        ("act=swiglu;limit=7", "alpha and limit go with act=swiglu_clamped, and only with it"),
+        ("act=swiglu_clamped;alpha=fast;limit=7", "'alpha' needs a finite number, got 'fast'"),
+        ("act=swiglu;act=swiglu", "repeats 'act'"),
+        ("swiglu", "'swiglu' is not name=value"),
+    ],
+)
+def test_variant_fields_are_read_by_name_and_the_unknown_refused(
+    library: QuantLibrary, fields: str, message: str
+) -> None:
+    experts = Experts(DENSE, WeightCompute.FP32)
+    x = random_x(2, HIDDEN, seed=17)
+    ids, weights = routing(2, seed=18)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.ifb_quant.grouped_experts_variant(
+            x, ids, weights, experts.gate_up, experts.down, "fp32", "fp32", "fp32", INTERMEDIATE, fields, None, None
+        )
+
+
+def test_a_bias_of_the_wrong_shape_is_refused(library: QuantLibrary) -> None:
+    experts = VariantExperts(DENSE, WeightCompute.FP32)
+    x = random_x(2, HIDDEN, seed=19)
+    ids, weights = routing(2, seed=20)
+    experts.down_bias = experts.down_bias[:, :-1]
+    with pytest.raises(RuntimeError, match=rf"down_bias must be a CPU float tensor \[{EXPERTS}, {HIDDEN}\]"):
+        experts(x, ids, weights)
+
+
+def test_the_variant_fields_are_the_kernels_names() -> None:
+    """ExpertVariant writes what the kernel parses; alpha/limit only beside the clamped activation."""
+    assert CLAMPED.fields == "act=swiglu_clamped;alpha=1.702;limit=1.0"
+    assert ExpertVariant().fields == "act=swiglu"
+    with pytest.raises(ValueError, match="alpha and limit go with swiglu_clamped"):
+        ExpertVariant(ExpertActivation.SWIGLU, alpha=1.0, limit=1.0)
