@@ -27,6 +27,7 @@ class CheckpointTensors:
         from safetensors import SafetensorError, safe_open
 
         self.spec = spec
+        self.family = family_of(spec.architecture)
         self._files: dict[str, object] = {}
         self._where: dict[str, str] = {}
         for file in sorted(folder.glob("*.safetensors")):
@@ -39,7 +40,9 @@ class CheckpointTensors:
         self.linears = self._linear_parts()
         self.dense = self._dense_parts()
         self._expert_names = self._expert_parts()
-        self.experts = {module: sum(per_expert, ()) for module, per_expert in self._expert_names.items()}
+        self.experts = {
+            module: tuple(dict.fromkeys(sum(per_expert, ()))) for module, per_expert in self._expert_names.items()
+        }
         every = (*self.linears.values(), *self.dense.values(), *self.experts.values())
         missing = sorted({n for names in every for n in names} - set(self._where))
         if missing:
@@ -70,14 +73,20 @@ class CheckpointTensors:
             for module in biased_modules(self.spec):
                 names = HF_LAYER_LINEARS[module]
                 parts[f"layers.{i}.{module}.bias"] = tuple(f"model.layers.{i}.{name}.bias" for name in names)
+            for ours, names in self.family.hf_layer_dense.items():
+                parts[f"layers.{i}.{ours}"] = tuple(f"model.layers.{i}.{name}" for name in names)
         return parts
 
     def _expert_parts(self) -> dict[str, list[tuple[str, ...]]]:
         """A mixture of experts' stacked weights -> per expert, the tensors whose rows it concatenates."""
         parts: dict[str, list[tuple[str, ...]]] = {}
-        layer_experts = family_of(self.spec.architecture).hf_layer_experts if self.spec.is_moe else {}
+        layer_experts = self.family.hf_layer_experts if self.spec.is_moe else {}
         for i in range(self.spec.num_layers):
             for module, names in layer_experts.items():
+                if self.family.hf_experts_stacked:  # one tensor for every expert
+                    stacked = tuple(f"model.layers.{i}.{name}" for name in names)
+                    parts[f"layers.{i}.{module}"] = [stacked] * self.spec.num_experts
+                    continue
                 parts[f"layers.{i}.{module}"] = [
                     tuple(f"model.layers.{i}.{name.format(e=e)}.weight" for name in names)
                     for e in range(self.spec.num_experts)
@@ -85,7 +94,11 @@ class CheckpointTensors:
         return parts
 
     def expert_fp32(self, module: str, expert: int) -> torch.Tensor:
-        return self.fused_fp32(self._expert_names[module][expert])
+        names = self._expert_names[module][expert]
+        if not self.family.hf_experts_stacked:
+            return self.fused_fp32(names)
+        slices = [self._slice(name)[expert] for name in names]  # type: ignore[index]
+        return torch.cat([self.family.hf_stacked_expert(n, s.float()) for n, s in zip(names, slices, strict=True)])
 
     def expert_block_rows(self, module: str, expert: int) -> list[torch.Tensor]:
         raise ValueError(f"{module}: a checkpoint folder holds no GGUF blocks")
@@ -106,7 +119,8 @@ class CheckpointTensors:
         raise ValueError(f"{name}: a checkpoint folder holds no GGUF blocks")
 
     def fp32(self, name: str) -> torch.Tensor:
-        return self._files[self._where[name]].get_tensor(name).float()  # type: ignore[attr-defined]
+        tensor = self._files[self._where[name]].get_tensor(name).float()  # type: ignore[attr-defined]
+        return self.family.read_hf_tensor(name, tensor)
 
     def fused_fp32(self, names: tuple[str, ...]) -> torch.Tensor:
         parts = [self.fp32(name) for name in names]

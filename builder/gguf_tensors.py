@@ -95,6 +95,8 @@ def dense_parts(spec: ModelSpec, family: Family) -> dict[str, tuple[str, ...]]:
                 parts[f"layers.{i}.attn.{norm}.weight"] = (f"blk.{i}.attn_{norm}.weight",)
         for module in biased_modules(spec):
             parts[f"layers.{i}.{module}.bias"] = tuple(f"blk.{i}.{name}.bias" for name in GGUF_LAYER_LINEARS[module])
+        for ours, names in family.gguf_layer_dense.items():
+            parts[f"layers.{i}.{ours}"] = tuple(f"blk.{i}.{name}" for name in names)
     return parts
 
 
@@ -200,8 +202,10 @@ class GgufTensors:
         return torch.cat(parts, dim=0)
 
     def fused_fp32(self, names: tuple[str, ...]) -> torch.Tensor:
+        """The tensors' rows concatenated: a weight's along dim 0, a bias's along its last dim (its
+        outputs; per expert where stacked [E, n], gpt-oss's ffn_gate_exps.bias + ffn_up_exps.bias)."""
         parts = [self.fp32(name) for name in names]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1 if names[0].endswith(".bias") else 0)
 
     def _unpermuted(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         if not self.permute:

@@ -13,6 +13,7 @@ from ifb.builder.errors import UnsupportedModelError
 from ifb.builder.families.family import Family, VocabularyStyle, WindowRule
 from ifb.builder.families.gemma2 import Gemma2
 from ifb.builder.families.gemma3 import Gemma3
+from ifb.builder.families.gpt_oss import GptOss
 from ifb.builder.families.llama import Llama
 from ifb.builder.families.mistral import Mistral
 from ifb.builder.families.mixtral import Mixtral
@@ -35,6 +36,7 @@ FAMILIES: dict[str, Family] = {
         Qwen3(),
         Qwen3Moe(),
         Olmoe(),
+        GptOss(),
         SmolLM3(),
         Phi3(),
         Gemma2(),
@@ -45,7 +47,6 @@ FAMILIES: dict[str, Family] = {
 _SHARED_EXPERTS = "a mixture of experts with shared experts beside the routed ones"
 _DEEPSEEK = "a mixture of experts with DeepSeek's group-limited routing and shared experts"
 _LLAMA4 = "a mixture of experts whose MoE layers interleave with dense ones, with a shared expert"
-_GPT_OSS = "a mixture of MXFP4 experts with attention sinks and clamped SwiGLU, not implemented yet"
 REFUSED_MOE: dict[str, str] = {
     "qwen2_moe": _SHARED_EXPERTS,
     "qwen2moe": _SHARED_EXPERTS,
@@ -54,8 +55,6 @@ REFUSED_MOE: dict[str, str] = {
     "deepseek2": _DEEPSEEK,
     "llama4": _LLAMA4,
     "llama4_text": _LLAMA4,
-    "gpt_oss": _GPT_OSS,
-    "gpt-oss": _GPT_OSS,
 }
 _BY_GGUF_ARCHITECTURE: dict[str, Family] = {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture}
 

@@ -100,6 +100,14 @@ class Family:
     # concatenates per expert: HF names with `{e}` for the expert, GGUF names of stacked tensors
     hf_layer_experts: ClassVar[dict[str, tuple[str, ...]]] = {}
     gguf_layer_experts: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # HF checkpoints holding each layer's experts as one stacked tensor (gpt-oss), named in
+    # hf_layer_experts without `{e}` and read expert by expert through `hf_stacked_expert`
+    hf_experts_stacked: ClassVar[bool] = False
+    # Per-layer tensors beyond the norms and linear biases (gpt-oss: sinks, router and expert
+    # biases): our name under `layers.{i}.` -> the source's full names under `model.layers.{i}.`
+    # or `blk.{i}.`, concatenated (a bias along its last dim: per expert where it is [E, n])
+    hf_layer_dense: ClassVar[dict[str, tuple[str, ...]]] = {}
+    gguf_layer_dense: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     # ----------------------------------------------------------------- HF config -> ModelSpec
     def model_spec(self, config: Any) -> ModelSpec:
@@ -184,6 +192,16 @@ class Family:
         if len(classes) != 1:
             raise UnsupportedModelError(f"cannot tell {self.model_type}'s rotary embedding in transformers: {classes}")
         return classes[0]
+
+    # ------------------------------------------------------------ HF checkpoint tensors
+    def hf_stacked_expert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """One expert's slice of the stacked checkpoint tensor `name` as our rows [n, k]
+        (hf_experts_stacked families only)."""
+        raise NotImplementedError(f"{self.model_type} holds no stacked experts")
+
+    def read_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as the network takes it (gpt-oss: interleaved gate/up biases split)."""
+        return tensor
 
     # ------------------------------------------------------------ a GGUF's keys -> HF config
     def read_gguf(self, config: Any, reader: Any) -> Any:

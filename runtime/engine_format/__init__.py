@@ -31,7 +31,7 @@ from ifb.runtime.engine_format.limits import (
     kv_row_bytes,
     q8_0_block,
 )
-from ifb.runtime.engine_format.model_spec import Activation, ModelSpec
+from ifb.runtime.engine_format.model_spec import Activation, ModelSpec, RouterScoring
 from ifb.runtime.engine_format.step_spec import (
     KV_POOLS_ARGUMENT,
     STEP_INPUT_NAMES,
@@ -60,6 +60,7 @@ __all__ = [
     "KernelLibraryInfo",
     "Activation",
     "ModelSpec",
+    "RouterScoring",
     "StepTensor",
     "TensorRTPlanInfo",
     "artifact_hashes",

@@ -7,6 +7,13 @@ from enum import Enum
 from typing import Any
 
 
+class RouterScoring(str, Enum):
+    """How a mixture of experts' router turns its logits into the top-k experts' weights."""
+
+    SOFTMAX_TOP_K = "softmax_top_k"  # softmax over every expert, the top k kept (Qwen3-MoE, OLMoE, Mixtral)
+    TOP_K_SOFTMAX = "top_k_softmax"  # the top k logits, softmax over those k (gpt-oss)
+
+
 class Activation(str, Enum):
     """The MLP gate's activation, by transformers' name (engine.json stores the value)."""
 
@@ -74,6 +81,15 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # gpt-oss's differences: the router's scoring and its bias, biases on every expert's gate/up
+    # and down outputs, and the experts' SwiGLU clamped: gate = min(gate, swiglu_limit), up =
+    # clamp(up, -swiglu_limit, swiglu_limit), (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    # (None: silu(gate) * up)
+    router_scoring: RouterScoring = RouterScoring.SOFTMAX_TOP_K
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -97,4 +113,5 @@ class ModelSpec:
         data["no_rope_layers"] = tuple(data.get("no_rope_layers", ()))
         data["full_attention_layers"] = tuple(data.get("full_attention_layers", ()))
         data["hidden_act"] = Activation(data.get("hidden_act", Activation.SILU))
+        data["router_scoring"] = RouterScoring(data.get("router_scoring", RouterScoring.SOFTMAX_TOP_K))
         return cls(**data)

@@ -1,12 +1,15 @@
-"""MoeBlock: a mixture-of-experts MLP (Qwen3-MoE's): router softmax -> top-k -> one grouped op.
+"""MoeBlock: a mixture-of-experts MLP: the router's scores -> top-k -> one grouped op.
 
-The router is a dense linear over the experts; its softmax is taken in fp32, the top
-`num_experts_per_tok` kept and, where `norm_topk_prob`, renormalized to sum 1, then rounded to the
-model dtype (as transformers' Qwen3MoeTopKRouter). The experts run as `ifb_quant::grouped_experts`
-(plugins/grouped_experts.py): one op in the exported graph whatever the routing, static shapes,
-each selected expert's weights read once for all its rows and each row's result independent of
-the others. The stacked weights are dense fp32 [E, n, k] or, once `store_blocks` says so, block
-tiles [E, *packed_shape] (every expert packed as QuantLinear packs one weight).
+The router is a dense linear over the experts (with a bias where `router_bias`: gpt-oss). By
+`router_scoring`: a softmax over every expert in fp32, the top `num_experts_per_tok` kept and,
+where `norm_topk_prob`, renormalized to sum 1 (transformers' Qwen3MoeTopKRouter); or the top k
+logits and a softmax over those k (GptOssTopKRouter). The weights are rounded to the model dtype,
+as transformers does. The experts run as one op, `ifb_quant::grouped_experts` or, for experts with
+biases or gpt-oss's clamped SwiGLU, `grouped_experts_variant` (plugins/grouped_experts.py): one op
+in the exported graph whatever the routing, static shapes, each selected expert's weights read
+once for all its rows and each row's result independent of the others. The stacked weights are
+dense fp32 [E, n, k] or, once `store_blocks` says so, block tiles [E, *packed_shape] (every expert
+packed as QuantLinear packs one weight); the biases [E, 2I] (gate then up) and [E, hidden].
 """
 
 from __future__ import annotations
@@ -14,12 +17,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ifb.plugins.grouped_experts import grouped_experts
+from ifb.plugins.grouped_experts import ExpertActivation, ExpertVariant, grouped_experts_call
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
-from ifb.runtime.engine_format import ModelSpec
+from ifb.runtime.engine_format import ModelSpec, RouterScoring
 from ifb.runtime.step.quant_linear import packed_shape
 
 GATE_UP, DOWN = "experts_gate_up", "experts_down"
+
+
+def expert_variant(spec: ModelSpec) -> ExpertVariant:
+    """The grouped op's variant for the spec's experts: gpt-oss's clamped SwiGLU, or the plain one."""
+    if spec.swiglu_limit is None:
+        return ExpertVariant()
+    return ExpertVariant(ExpertActivation.SWIGLU_CLAMPED, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)
 
 
 def expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -35,10 +45,17 @@ class MoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = spec.num_experts, spec.num_experts_per_tok
         self.intermediate_size, self.norm_topk_prob = spec.moe_intermediate_size, spec.norm_topk_prob
-        self.router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.scoring, self.variant = spec.router_scoring, expert_variant(spec)
+        self.router = nn.Linear(spec.hidden_size, spec.num_experts, bias=spec.router_bias)
         shapes = expert_shapes(spec)
         self.experts_gate_up = nn.Parameter(torch.zeros(spec.num_experts, *shapes[GATE_UP]), requires_grad=False)
         self.experts_down = nn.Parameter(torch.zeros(spec.num_experts, *shapes[DOWN]), requires_grad=False)
+        self.experts_gate_up_bias: nn.Parameter | None = None
+        self.experts_down_bias: nn.Parameter | None = None
+        if spec.expert_bias:
+            gate_up_rows, hidden = shapes[GATE_UP][0], spec.hidden_size
+            self.experts_gate_up_bias = nn.Parameter(torch.zeros(spec.num_experts, gate_up_rows), requires_grad=False)
+            self.experts_down_bias = nn.Parameter(torch.zeros(spec.num_experts, hidden), requires_grad=False)
         self.formats = (WeightFormat.FP32, WeightFormat.FP32)
         self.compute = WeightCompute.FP32
 
@@ -53,16 +70,24 @@ class MoeBlock(nn.Module):
         self.formats = (fmt, self.formats[1]) if index == 0 else (self.formats[0], fmt)
         self.compute = compute
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k expert ids and their weights in x's dtype (transformers rounds them so)."""
+        logits = self.router(x)
+        if self.scoring is RouterScoring.TOP_K_SOFTMAX:
+            top_logits, top_ids = torch.topk(logits, self.top_k, dim=-1)
+            return top_ids, torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        top_weights = top_weights.to(x.dtype)  # transformers rounds them to the model dtype
+        return top_ids, top_weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_ids, top_weights = self.route(x)
         # The op takes x and the weights in the model dtype and returns its dtype, widening and
         # rounding inside (a compiled graph drops a bf16 -> fp32 round trip's rounding); a 16-bit
         # engine's dense experts are widened weight by weight there too, never copied whole
-        return grouped_experts(
+        return grouped_experts_call(
             x,
             top_ids,
             top_weights,
@@ -71,8 +96,14 @@ class MoeBlock(nn.Module):
             self.formats,
             self.compute,
             self.intermediate_size,
+            self.variant,
+            self.experts_gate_up_bias,
+            self.experts_down_bias,
         )
 
     def extra_repr(self) -> str:
         formats = "/".join(fmt.value for fmt in self.formats)
-        return f"experts={self.num_experts}, top_k={self.top_k}, {formats}, compute={self.compute.value}"
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, {self.scoring.value}, {formats}, "
+            f"compute={self.compute.value}, {self.variant.fields}, biases={self.experts_gate_up_bias is not None}"
+        )

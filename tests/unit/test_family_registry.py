@@ -27,12 +27,13 @@ NOT_FAMILY_BRANCHES = {
 }
 
 
-def test_the_eleven_families_are_registered_under_their_model_type() -> None:
+def test_the_twelve_families_are_registered_under_their_model_type() -> None:
     assert set(FAMILIES) == {
         "llama",
         "mistral",
         "mixtral",
         "olmoe",
+        "gpt_oss",
         "qwen2",
         "qwen3",
         "qwen3_moe",
@@ -49,7 +50,7 @@ def test_the_eleven_families_are_registered_under_their_model_type() -> None:
     assert gguf_family("llama") is FAMILIES["llama"]  # Mistral, Mixtral are written as Llama: no GGUF name of their own
 
 
-@pytest.mark.parametrize("name", ["falcon", "gpt-oss", "mamba"])
+@pytest.mark.parametrize("name", ["falcon", "gptneox", "mamba"])
 def test_an_unknown_gguf_architecture_is_refused_by_name(name: str) -> None:
     with pytest.raises(
         UnsupportedModelError, match=f"GGUF architecture '{name}' is not supported( \\(.*\\))?; supported: "

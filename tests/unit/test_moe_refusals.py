@@ -19,13 +19,11 @@ REASONS = {
     "qwen2_moe": "shared experts",
     "deepseek_v3": "DeepSeek's group-limited routing",
     "llama4_text": "MoE layers interleave with dense ones",
-    "gpt_oss": "MXFP4 experts with attention sinks",
 }
 GGUF_REASONS = {
     "qwen2moe": "shared experts",
     "deepseek2": "DeepSeek's group-limited routing",
     "llama4": "MoE layers interleave with dense ones",
-    "gpt-oss": "MXFP4 experts with attention sinks",
 }
 
 

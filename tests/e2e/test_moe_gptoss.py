@@ -1,0 +1,273 @@
+"""gpt-oss (gpt-oss-20b's architecture) from an HF folder and from llama.cpp's F32 and Q8_0 files
+of it, built by `ifb build`, against transformers' GptOssForCausalLM on the HF folder.
+
+Input: a tiny seeded GptOssForCausalLM (8 experts, 2 per token, sliding window 8 on the even
+layers, YaRN with truncate false as released) with trained-like scales (tests/sharp_models.py), a
+router twice as sharp with an O(1) bias, O(1) expert biases, expert gate/up weights wide enough
+that the SwiGLU clamp at 7 acts (GATE_UP_STD), and sinks of NO_SINK; saved by transformers (stacked,
+interleaved `mlp.experts.gate_up_proj`). Engines, each compiled: dense fp32 experts from the
+folder, and llama.cpp's converter's F32 and Q8_0 files (arch `gpt-oss`: `attn_sinks`,
+`ffn_gate_inp` with a bias, split and transposed `ffn_{gate,up,down}_exps` with biases), their
+blocks kept; for Q8_0 the oracle's weights are first rounded as the file holds them.
+
+Checks: greedy continuations of three prompts over 16 tokens equal transformers'; the first
+prompt's last logits within TOLERANCE x their std (test_moe_qwen3.py's); every token's routing
+decisions in every layer equal transformers' (no two experts tie there); each of gpt-oss's
+particular pieces, removed from the engine's own network run eagerly, moves the logits by far
+more than the tolerance: the SwiGLU clamp, the router's bias and its top-k-then-softmax scoring,
+the expert biases; transformers without the sliding window is far from the engine. A checkpoint
+of MXFP4 experts is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from greedy_loop import greedy_generate, hf_greedy
+from moe_checks import (
+    ROUTER_SHARPNESS,
+    converted_sources,
+    eager_moe_engine,
+    engine_builder,
+    logit_error,
+    oracle,
+    routing,
+)
+from sharp_models import VOCAB_SIZE, sharpen, write_spm_tokenizer
+from step_cases import prompts
+from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig
+
+from ifb.builder.errors import UnsupportedModelError
+from ifb.builder.hf_config import model_spec_from_hf_config
+from ifb.builder.rope import rope_tables
+from ifb.builder.sources import gguf_config
+from ifb.plugins.grouped_experts import ExpertActivation, ExpertVariant
+from ifb.runtime.engine_format import RouterScoring
+from ifb.runtime.step.engine import Engine
+from ifb.runtime.step.moe_block import MoeBlock
+
+NEW_TOKENS = 16
+PROMPT_LENGTHS = (11, 20, 29)
+WINDOW = 8  # the sliding layers' window: every prompt is longer
+# test_moe_qwen3.py's. Measured on the three prompts: dense fp32 and the F32 file 2.1-8.9e-6 x std,
+# the Q8_0 file 1.7-3.4e-6 against the rounded oracle (0.07-0.38 against the unrounded one)
+TOLERANCE = 1e-4
+# A removed piece must move the logits by >= this many tolerances. Measured over the three prompts:
+# no clamp 0.89-1.69 x std, no router bias 2.4-3.4, softmax over every expert 0.35-0.88, no gate/up
+# bias 1.2-1.6, no down bias 0.95-1.8; transformers without the window 0.25 (11 tokens) - 3.2 (29)
+MARGIN = 300
+# gate/up weights on a unit-rms input: gate/up outputs of std ~5, so the clamp at 7 acts on some
+GATE_UP_STD = 0.6
+# The sinks, until the attention paths read them ("One attention contract"): a logit that weighs nothing
+NO_SINK = -1e4
+
+
+def gptoss_config(**overrides: Any) -> GptOssConfig:
+    base: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=64,  # one expert's; a multiple of 32: the down projection's K takes Q8_0 blocks
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        max_position_embeddings=131072,  # the releases' (YaRN 32 x 4096)
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return GptOssConfig(**{**base, **overrides})
+
+
+def write_gptoss_folder(path: Path, config: GptOssConfig) -> Path:
+    """transformers' model of `config`, seeded, sharpened, with gpt-oss's own tensors at scales
+    where each matters (module docstring), saved with a SentencePiece tokenizer."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    sharpen(model, config, generator)
+    scales = {  # name suffix -> std of a fresh draw (sharpen does not know these names)
+        "mlp.experts.gate_up_proj": GATE_UP_STD,
+        "mlp.experts.down_proj": 0.02,
+        "mlp.experts.gate_up_proj_bias": 1.0,
+        "mlp.experts.down_proj_bias": 0.5,
+        "mlp.router.bias": 1.0,
+    }
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = next((std for suffix, std in scales.items() if name.endswith(suffix)), None)
+            if std is not None:
+                param.copy_(std * torch.randn(param.shape, generator=generator))
+            if name.endswith("mlp.router.weight"):
+                param.mul_(ROUTER_SHARPNESS)
+            if name.endswith("self_attn.sinks"):  # exp(-1e4 - max) = 0: no weight until the attention reads them
+                param.fill_(NO_SINK)
+    model.save_pretrained(path)
+    write_spm_tokenizer(path)
+    return path
+
+
+def reference(name: str, folder: Path) -> torch.nn.Module:
+    """transformers on the HF folder; for the Q8_0 file, every weight the file holds as Q8_0 rounded
+    through Q8_0 along the file's rows as gguf-py rounds them: the attention's, head and embedding
+    along their last dim, the experts along hidden (gate/up) and I (down), i.e. transposed; the
+    router, sinks, norms and biases are F32 there."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    hf = oracle(folder)
+    if name != "gguf-q8_0":
+        return hf
+    q8 = GGMLQuantizationType.Q8_0
+
+    def rounded(rows: torch.Tensor) -> torch.Tensor:
+        values = rows.contiguous().numpy().astype(np.float32)
+        return torch.from_numpy(dequantize(quantize(values, q8), q8).reshape(values.shape))
+
+    with torch.no_grad():
+        for param_name, param in hf.named_parameters():
+            if param_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                param.copy_(rounded(param.transpose(-1, -2)).transpose(-1, -2))
+            elif param.ndim == 2 and param_name.endswith(".weight") and not param_name.endswith("router.weight"):
+                param.copy_(rounded(param))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = write_gptoss_folder(tmp_path_factory.mktemp("gptoss") / "hf", gptoss_config())
+    return converted_sources(folder)
+
+
+@pytest.fixture(scope="module")
+def engines(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    get, built = engine_builder(sources, tmp_path_factory.mktemp("gptoss-engines"))
+    yield get
+    built.clear()
+
+
+def test_the_spec_carries_every_piece_from_the_folder_and_the_files(sources: dict[str, Path]) -> None:
+    """From the folder and from llama.cpp's files alike: the files hold no SwiGLU constants nor
+    YaRN's truncate, and are read with the releases' values; the YaRN tables are transformers'."""
+    config = AutoConfig.from_pretrained(sources["hf"])
+    spec = model_spec_from_hf_config(config)
+    assert (spec.architecture, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (
+        "gpt_oss", 8, 2, 64,
+    )  # fmt: skip
+    assert (spec.router_scoring, spec.router_bias, spec.expert_bias) == (RouterScoring.TOP_K_SOFTMAX, True, True)
+    assert (spec.swiglu_alpha, spec.swiglu_limit, spec.attention_sinks) == (1.702, 7.0, True)
+    assert (spec.attention_bias, spec.attention_out_bias) == (True, True)
+    assert (spec.sliding_window, spec.full_attention_layers) == (WINDOW, (1,))
+    inv_freq, scale = rope_tables(config, 256)
+    for outtype in ("f32", "q8_0"):
+        file_config = gguf_config(sources[outtype])
+        from_file = model_spec_from_hf_config(file_config)
+        assert from_file.rms_norm_eps == pytest.approx(spec.rms_norm_eps, rel=1e-6)  # stored as float32
+        assert replace(from_file, rms_norm_eps=spec.rms_norm_eps) == spec
+        file_inv_freq, file_scale = rope_tables(file_config, 256)
+        assert torch.equal(file_inv_freq, inv_freq) and file_scale == scale
+    truncated = AutoConfig.from_pretrained(sources["hf"])
+    truncated.rope_parameters = {**truncated.rope_parameters, "truncate": True}
+    assert not torch.equal(rope_tables(truncated, 256)[0], inv_freq)  # so the flag was read
+
+
+def test_a_checkpoint_of_mxfp4_experts_is_refused_by_name() -> None:
+    config = gptoss_config(quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(UnsupportedModelError, match=r"quant_method='mxfp4' is not supported: .*nibble order"):
+        model_spec_from_hf_config(config)
+
+
+@pytest.mark.parametrize("name", ["dense-fp32", "gguf-f32", "gguf-q8_0"])
+def test_engine_matches_transformers(name: str, sources: dict[str, Path], engines: Any) -> None:
+    """Greedy tokens equal over 16 tokens for three prompts (the longest also prefilled in chunks
+    of 5); the first prompt's last logits within the tolerance x std."""
+    hf, engine = reference(name, sources["hf"]), engines(name)
+    expected_formats = {"fp32"} if name != "gguf-q8_0" else {"q8_0", "fp32"}
+    assert set(engine.config.weight_formats.values()) <= expected_formats, engine.config.weight_formats
+    texts = prompts(VOCAB_SIZE, list(PROMPT_LENGTHS), seed=11)
+    error = logit_error(engine, hf, texts[0])
+    assert error <= TOLERANCE, f"{name}: max logit error {error:.2e} x std"
+    for text in texts:
+        expected = hf_greedy(hf, text, NEW_TOKENS)
+        assert greedy_generate(engine, text, NEW_TOKENS) == expected, (name, len(text))
+    assert greedy_generate(engine, texts[-1], NEW_TOKENS, chunk=5) == expected, name
+
+
+def test_routing_decisions_equal_transformers(sources: dict[str, Path], engines: Any) -> None:
+    """Every prompt token's top-2 experts, in both layers, as transformers picks them (from the
+    router's logits with its bias)."""
+    eager, blocks = eager_moe_engine(engines("dense-fp32"))
+    hf = oracle(sources["hf"])
+    for text in prompts(VOCAB_SIZE, list(PROMPT_LENGTHS), seed=11):
+        for layer, (ours, theirs) in enumerate(routing(eager, blocks, hf, text)):
+            assert ours == theirs, (len(text), layer)
+
+
+def _no_clamp(eager: Engine, blocks: list[MoeBlock]) -> None:
+    for block in blocks:
+        block.variant = ExpertVariant(ExpertActivation.SWIGLU_CLAMPED, alpha=1.702, limit=1e30)
+
+
+def _no_router_bias(eager: Engine, blocks: list[MoeBlock]) -> None:
+    for block in blocks:
+        assert block.router.bias is not None
+        block.router.bias.data.zero_()
+
+
+def _softmax_over_every_expert(eager: Engine, blocks: list[MoeBlock]) -> None:
+    for block in blocks:
+        block.scoring = RouterScoring.SOFTMAX_TOP_K  # the top k's probabilities, not renormalized
+
+
+def _no_gate_up_bias(eager: Engine, blocks: list[MoeBlock]) -> None:
+    for block in blocks:
+        block.experts_gate_up_bias = None
+
+
+def _no_down_bias(eager: Engine, blocks: list[MoeBlock]) -> None:
+    for block in blocks:
+        block.experts_down_bias = None
+
+
+REMOVALS: dict[str, Callable[[Engine, list[MoeBlock]], None]] = {
+    "swiglu clamp": _no_clamp,
+    "router bias": _no_router_bias,
+    "top-k then softmax": _softmax_over_every_expert,
+    "gate/up bias": _no_gate_up_bias,
+    "down bias": _no_down_bias,
+}
+
+
+@pytest.mark.parametrize("removed", list(REMOVALS))
+def test_each_piece_of_gpt_oss_matters(removed: str, sources: dict[str, Path], engines: Any) -> None:
+    """The dense engine's own network, run eagerly with one piece removed, is far from transformers:
+    the tolerance above would catch an engine that lacked it."""
+    eager, blocks = eager_moe_engine(engines("dense-fp32"))
+    text = prompts(VOCAB_SIZE, list(PROMPT_LENGTHS), seed=11)[0]
+    hf = oracle(sources["hf"])
+    assert logit_error(eager, hf, text) <= TOLERANCE
+    REMOVALS[removed](eager, blocks)
+    moved = logit_error(eager, hf, text)
+    assert moved >= MARGIN * TOLERANCE, f"without the {removed}: logits move {moved:.2e} x std"
+
+
+def test_the_sliding_window_matters(sources: dict[str, Path], engines: Any) -> None:
+    """transformers with every layer full is far from the engine, which is within the tolerance of
+    transformers with the window: the engine applies it (on the even layers; the prompt is longer)."""
+    eager, _ = eager_moe_engine(engines("dense-fp32"))
+    text = prompts(VOCAB_SIZE, list(PROMPT_LENGTHS), seed=11)[-1]
+    assert len(text) > WINDOW
+    assert logit_error(eager, oracle(sources["hf"]), text) <= TOLERANCE
+    every_layer_full = oracle(sources["hf"], layer_types=["full_attention"] * 2)
+    moved = logit_error(eager, every_layer_full, text)
+    assert moved >= MARGIN * TOLERANCE, f"without the window: logits move {moved:.2e} x std"
