@@ -12,12 +12,29 @@ from pathlib import Path
 import torch
 
 from ifb.builder.errors import SourceError
-from ifb.builder.families import family_of
+from ifb.builder.families import FAMILIES, family_of
 from ifb.builder.families.family import HF_LAYER_LINEARS
 from ifb.builder.gguf_tensors import TensorInfo, biased_modules
+from ifb.plugins.quant_formats import block_weights, dequantize
 from ifb.runtime.engine_format import ModelSpec
 
 _TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def has_block_experts(folder: Path, model_type: str) -> bool:
+    """Whether the checkpoint holds its family's stacked experts as blocks (gpt-oss's MXFP4), by
+    the tensor names in the safetensors headers alone."""
+    from safetensors import safe_open
+
+    family = FAMILIES.get(model_type)  # an unknown one is refused by name where the config is read
+    suffixes = family.hf_expert_blocks if family is not None else None
+    if suffixes is None:
+        return False
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            if any(key.endswith(suffixes[0]) for key in handle.keys()):
+                return True
+    return False
 
 
 class CheckpointTensors:
@@ -29,6 +46,7 @@ class CheckpointTensors:
         self.spec = spec
         self.family = family_of(spec.architecture)
         self._files: dict[str, object] = {}
+        self._block_scales: dict[str, str] = {}  # a stacked experts' blocks tensor -> its scales tensor
         self._where: dict[str, str] = {}
         for file in sorted(folder.glob("*.safetensors")):
             try:
@@ -43,7 +61,12 @@ class CheckpointTensors:
         self.experts = {
             module: tuple(dict.fromkeys(sum(per_expert, ()))) for module, per_expert in self._expert_names.items()
         }
-        every = (*self.linears.values(), *self.dense.values(), *self.experts.values())
+        every = (
+            *self.linears.values(),
+            *self.dense.values(),
+            *self.experts.values(),
+            tuple(self._block_scales.values()),
+        )
         missing = sorted({n for names in every for n in names} - set(self._where))
         if missing:
             raise SourceError(f"{folder} lacks tensors the {spec.architecture} network needs: {', '.join(missing[:8])}")
@@ -84,7 +107,7 @@ class CheckpointTensors:
         for i in range(self.spec.num_layers):
             for module, names in layer_experts.items():
                 if self.family.hf_experts_stacked:  # one tensor for every expert
-                    stacked = tuple(f"model.layers.{i}.{name}" for name in names)
+                    stacked = tuple(self._stacked_name(f"model.layers.{i}.{name}") for name in names)
                     parts[f"layers.{i}.{module}"] = [stacked] * self.spec.num_experts
                     continue
                 parts[f"layers.{i}.{module}"] = [
@@ -93,15 +116,37 @@ class CheckpointTensors:
                 ]
         return parts
 
+    def _stacked_name(self, name: str) -> str:
+        """A stacked expert tensor's name, or its blocks tensor's where the checkpoint holds blocks."""
+        suffixes = self.family.hf_expert_blocks
+        if suffixes is None or name in self._where or f"{name}{suffixes[0]}" not in self._where:
+            return name
+        self._block_scales[f"{name}{suffixes[0]}"] = f"{name}{suffixes[1]}"
+        return f"{name}{suffixes[0]}"
+
     def expert_fp32(self, module: str, expert: int) -> torch.Tensor:
         names = self._expert_names[module][expert]
         if not self.family.hf_experts_stacked:
             return self.fused_fp32(names)
+        if names[0] in self._block_scales:  # blocks: their exact values
+            rows = self.expert_block_rows(module, expert)
+            fmt = self.info(names[0]).block_format
+            assert fmt is not None
+            return torch.cat([dequantize(part, fmt).reshape(part.shape[0], -1) for part in rows])
         slices = [self._slice(name)[expert] for name in names]  # type: ignore[index]
         return torch.cat([self.family.hf_stacked_expert(n, s.float()) for n, s in zip(names, slices, strict=True)])
 
     def expert_block_rows(self, module: str, expert: int) -> list[torch.Tensor]:
-        raise ValueError(f"{module}: a checkpoint folder holds no GGUF blocks")
+        """One expert's rows of blocks of each stacked blocks tensor of `module` (gpt-oss's MXFP4)."""
+        names = self._expert_names[module][expert]
+        if names[0] not in self._block_scales:
+            raise ValueError(f"{module}: this checkpoint holds its experts as floats, not blocks")
+        parts = []
+        for name in names:
+            blocks = self._slice(name)[expert]  # type: ignore[index]
+            scales = self._slice(self._block_scales[name])[expert]  # type: ignore[index]
+            parts.append(self.family.hf_stacked_expert_blocks(name, blocks, scales))
+        return parts
 
     def _slice(self, name: str) -> object:
         return self._files[self._where[name]].get_slice(name)  # type: ignore[attr-defined]
@@ -109,6 +154,12 @@ class CheckpointTensors:
     def info(self, name: str) -> TensorInfo:
         piece = self._slice(name)
         shape = piece.get_shape()  # type: ignore[attr-defined]
+        if name in self._block_scales:  # [E, rows, K / block_weights, block's quant bytes]
+            assert self.family.hf_expert_blocks is not None
+            fmt = self.family.hf_expert_blocks[2]
+            scales = int(torch.Size(shape[:-1]).numel())
+            cols = int(shape[2]) * block_weights(fmt)
+            return TensorInfo(name, fmt.name, int(shape[1]), cols, int(torch.Size(shape).numel()) + scales)
         dtype = piece.get_dtype()  # type: ignore[attr-defined]
         itemsize = {"F32": 4, "F16": 2, "BF16": 2}.get(dtype, 4)
         cols = int(shape[1]) if len(shape) > 1 else int(shape[0])

@@ -6,8 +6,10 @@ backend can build and picks `--compute auto`'s mode.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from ifb.builder.checkpoint_tensors import has_block_experts
 from ifb.builder.errors import BuildError
 from ifb.builder.gguf_fields import read_gguf_header
 from ifb.builder.sources import ModelSource, SourceKind
@@ -77,7 +79,9 @@ def source_packs_weights(source: ModelSource, weights: str, backend: BackendKind
         return False
     if weights in BLOCK_CHOICES:
         return True
-    return source.kind is SourceKind.GGUF and has_block_tensors(source.path)
+    if source.kind is SourceKind.GGUF:
+        return has_block_tensors(source.path)
+    return has_block_experts(source.path, str(json.loads((source.path / "config.json").read_text()).get("model_type")))
 
 
 def has_block_tensors(path: Path) -> bool:

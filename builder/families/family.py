@@ -25,6 +25,7 @@ from ifb.builder.gguf_metadata import (
     rope_freq_factors,
     rope_scaling_parameters,
 )
+from ifb.plugins.quant_formats import WeightFormat
 from ifb.runtime.engine_format import Activation, ModelSpec
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
@@ -103,6 +104,9 @@ class Family:
     # HF checkpoints holding each layer's experts as one stacked tensor (gpt-oss), named in
     # hf_layer_experts without `{e}` and read expert by expert through `hf_stacked_expert`
     hf_experts_stacked: ClassVar[bool] = False
+    # ...which may be stored as blocks: (blocks tensor suffix, scales tensor suffix, format) beside
+    # the stacked name (gpt-oss's released checkpoints: `_blocks`/`_scales`, MXFP4)
+    hf_expert_blocks: ClassVar[tuple[str, str, WeightFormat] | None] = None
     # Per-layer tensors beyond the norms and linear biases (gpt-oss: sinks, router and expert
     # biases): our name under `layers.{i}.` -> the source's full names under `model.layers.{i}.`
     # or `blk.{i}.`, concatenated (a bias along its last dim: per expert where it is [E, n])
@@ -198,6 +202,11 @@ class Family:
         """One expert's slice of the stacked checkpoint tensor `name` as our rows [n, k]
         (hf_experts_stacked families only)."""
         raise NotImplementedError(f"{self.model_type} holds no stacked experts")
+
+    def hf_stacked_expert_blocks(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """One expert's slices of the blocks tensor `name` and its scales as GGUF rows of blocks
+        uint8 [n, k / block_weights * block_bytes], our row order (hf_expert_blocks families only)."""
+        raise NotImplementedError(f"{self.model_type} holds no expert blocks")
 
     def read_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as the network takes it (gpt-oss: interleaved gate/up biases split)."""

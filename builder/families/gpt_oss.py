@@ -13,9 +13,11 @@ classes' differences from Mixtral's layer, each a ModelSpec field the network re
 HF checkpoints stack the experts: `mlp.experts.gate_up_proj` [E, hidden, 2I] with gate and up
 interleaved (even columns gate, odd up), its bias [E, 2I] likewise, `down_proj` [E, I, hidden];
 each expert is read transposed, gate rows first, as the grouped op takes it. The released
-checkpoints hold the experts as MXFP4 `*_blocks`/`*_scales` (`quantization_config` mxfp4), whose
-nibble order is not ggml's: refused by name (llama.cpp's converter repacks them into a GGUF, which
-is read with its MXFP4 blocks kept).
+checkpoints (`quantization_config` mxfp4) hold them as MXFP4 instead: `*_blocks` [E, rows, K/32,
+16] (rows gate/up interleaved as above, K the input) and e8m0 `*_scales` [E, rows, K/32]; each
+32-value block is repacked into ggml's MXFP4 block (its scale byte, then nibbles element j low and
+j + 16 high where the checkpoint has 2j low and 2j + 1 high, as llama.cpp's converter repacks
+them), rows gate first, and kept as blocks.
 
 llama.cpp's converter writes arch `gpt-oss`: `attn_sinks.weight`, `ffn_gate_inp` with its bias,
 the experts stacked and split (`ffn_{gate,up}_exps` with biases, `ffn_down_exps`), the MLP's norm
@@ -36,6 +38,7 @@ from ifb.builder.errors import UnsupportedModelError
 from ifb.builder.families.family import HF_LAYER_NORMS, checked_window, gguf_window, sliding_layers
 from ifb.builder.families.routed_experts import ATTENTION_LINEARS_GGUF, EXPERT_COUNT_KEYS, RoutedExperts
 from ifb.builder.gguf_metadata import field_value, rope_scaling_parameters
+from ifb.plugins.quant_formats import WeightFormat
 from ifb.runtime.engine_format import ModelSpec, RouterScoring
 
 # llama.cpp's gpt-oss graph: its clamped SwiGLU's constants (no GGUF key holds them)
@@ -60,6 +63,7 @@ class GptOss(RoutedExperts):
     hf_layer_norms = {**HF_LAYER_NORMS, "mlp.router": "mlp.router"}
     gguf_layer_norms = {"input_norm": "attn_norm", "post_norm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
     hf_experts_stacked = True
+    hf_expert_blocks = ("_blocks", "_scales", WeightFormat.MXFP4)
     hf_layer_experts = {"mlp.experts_gate_up": (_GATE_UP,), "mlp.experts_down": (_DOWN,)}
     gguf_layer_experts = {
         "mlp.experts_gate_up": ("ffn_gate_exps", "ffn_up_exps"),
@@ -81,11 +85,10 @@ class GptOss(RoutedExperts):
     def model_spec(self, config: Any) -> ModelSpec:
         quantization = getattr(config, "quantization_config", None) or {}
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        if method is not None:
+        if method not in (None, "mxfp4"):
             raise UnsupportedModelError(
-                f"gpt_oss with quantization_config quant_method={method!r} is not supported: its experts are "
-                "*_blocks/*_scales in a nibble order that is not ggml's; convert it with llama.cpp's "
-                "convert_hf_to_gguf.py (which repacks them as GGUF MXFP4, kept as blocks here)"
+                f"gpt_oss with quantization_config quant_method={method!r} is not supported; only the released "
+                "checkpoints' 'mxfp4' experts (or none)"
             )
         spec = super().model_spec(config)
         sliding = sliding_layers(config)
@@ -111,6 +114,14 @@ class GptOss(RoutedExperts):
         if name.endswith(_GATE_UP):
             return _gate_rows_first(tensor).T.contiguous()
         return tensor.T.contiguous()
+
+    def hf_stacked_expert_blocks(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """One expert's MXFP4 blocks [rows, K/32, 16] and scales [rows, K/32] as ggml's MXFP4 rows
+        [rows, K/32 * 17] (module docstring), gate rows first."""
+        codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], 32)
+        nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+        rows = torch.cat((scales.to(torch.uint8)[..., None], nibbles), dim=-1).reshape(blocks.shape[0], -1)
+        return torch.cat((rows[0::2], rows[1::2])) if _GATE_UP in name else rows
 
     def read_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return _gate_rows_first(tensor) if name.endswith(_GATE_UP_BIAS) else tensor

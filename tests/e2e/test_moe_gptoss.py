@@ -16,9 +16,9 @@ decisions in every layer equal transformers' (no two experts tie there); each of
 particular pieces, removed from the engine's own network run eagerly, moves the logits by far
 more than the tolerance: the SwiGLU clamp, the router's bias and its top-k-then-softmax scoring,
 the expert biases; transformers without the sliding window is far from the engine. A checkpoint
-of MXFP4 experts is refused by name; llama.cpp's converter's file of one (its experts MXFP4 blocks,
-repacked into ggml's nibble order) gives an engine that keeps them and matches transformers on
-the same values.
+of MXFP4 experts as released (`*_blocks`/`*_scales`, their nibble order) and llama.cpp's
+converter's file of it give the same ggml MXFP4 blocks, byte for byte; engines of both keep them
+and match transformers on the same values dequantized.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from ifb.builder.hf_config import model_spec_from_hf_config
 from ifb.builder.rope import rope_tables
 from ifb.builder.sources import gguf_config
 from ifb.plugins.grouped_experts import ExpertActivation, ExpertVariant
+from ifb.plugins.quant_formats import WeightFormat
 from ifb.runtime.engine_format import RouterScoring
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
@@ -187,9 +188,9 @@ def test_the_spec_carries_every_piece_from_the_folder_and_the_files(sources: dic
     assert not torch.equal(rope_tables(truncated, 256)[0], inv_freq)  # so the flag was read
 
 
-def test_a_checkpoint_of_mxfp4_experts_is_refused_by_name() -> None:
-    config = gptoss_config(quantization_config={"quant_method": "mxfp4"})
-    with pytest.raises(UnsupportedModelError, match=r"quant_method='mxfp4' is not supported: .*nibble order"):
+def test_a_checkpoint_quantized_otherwise_than_mxfp4_is_refused_by_name() -> None:
+    config = gptoss_config(quantization_config={"quant_method": "bitsandbytes"})
+    with pytest.raises(UnsupportedModelError, match=r"quant_method='bitsandbytes' is not supported; only .*'mxfp4'"):
         model_spec_from_hf_config(config)
 
 
@@ -319,33 +320,58 @@ def write_mxfp4_folders(root: Path, dense: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def mxfp4_engine(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Path]:
-    """The engine of llama.cpp's F32 file of the MXFP4 checkpoint (its experts MXFP4 blocks, kept),
-    and the dense oracle folder."""
+def mxfp4_sources(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The MXFP4 checkpoint, llama.cpp's F32 file of it (experts MXFP4 there too), the dense oracle."""
     root = tmp_path_factory.mktemp("gptoss-mxfp4")
     packed, dense = write_mxfp4_folders(root / "checkpoints", sources["hf"])
-    files = converted_sources(packed)
+    return {"hf": packed, "gguf": converted_sources(packed)["f32"], "oracle": dense}
+
+
+@pytest.fixture(scope="module")
+def mxfp4_engines(mxfp4_sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Engine]:
+    """Engines of the checkpoint and of the converter's file, each keeping the MXFP4 experts."""
+    root = tmp_path_factory.mktemp("gptoss-mxfp4-engines")
     options = BuildOptions(dtype="fp32", weights="auto", compute="fp32", **TINY_LIMITS)
-    with pytest.MonkeyPatch.context() as patch:  # the step cost calibration is not under test
-        patch.setattr(builder_build, "calibrate_engine_folder", lambda folder, build_info, **_: None)
-        build_engine(files["f32"], root / "engine", options)
-    return Engine.load(root / "engine", StepMode.COMPILED), dense
+    engines = {}
+    for name in ("hf", "gguf"):
+        with pytest.MonkeyPatch.context() as patch:  # the step cost calibration is not under test
+            patch.setattr(builder_build, "calibrate_engine_folder", lambda folder, build_info, **_: None)
+            build_engine(mxfp4_sources[name], root / name, options)
+        engines[name] = Engine.load(root / name, StepMode.COMPILED)
+    return engines
 
 
-def test_mxfp4_experts_from_the_converters_file_match_transformers(mxfp4_engine: tuple[Engine, Path]) -> None:
-    """A checkpoint of MXFP4 experts, as released: its HF folder is refused by name, llama.cpp's
-    converter repacks it into GGUF MXFP4 blocks (nibbles reordered) that the engine keeps, and the
-    engine matches transformers on the same values dequantized (greedy over 16 tokens, last
-    logits within the tolerance). Measured: 1.7-3.5e-6 x std on the three prompts; against
-    transformers on the blocks read with each byte's nibbles swapped, 3.7-5.1 x std."""
-    engine, dense = mxfp4_engine
-    experts = {name: fmt for name, fmt in engine.config.weight_formats.items() if ".mlp.experts_" in name}
+def test_the_checkpoints_mxfp4_experts_are_the_converters_blocks(mxfp4_sources: dict[str, Path]) -> None:
+    """Each expert's blocks as read from the checkpoint (repacked here) are llama.cpp's converter's,
+    byte for byte, and their values transformers' own dequantization of the checkpoint."""
+    from ifb.builder.checkpoint_tensors import CheckpointTensors
+    from ifb.builder.gguf_tensors import GgufTensors
+
+    spec = model_spec_from_hf_config(AutoConfig.from_pretrained(mxfp4_sources["hf"]))
+    ours, converters = CheckpointTensors(mxfp4_sources["hf"], spec), GgufTensors(mxfp4_sources["gguf"], spec)
+    dense = CheckpointTensors(mxfp4_sources["oracle"], spec)
+    assert set(ours.experts) == set(converters.experts) and ours.experts
+    for module in ours.experts:
+        assert ours.info(ours.experts[module][0]).block_format is WeightFormat.MXFP4
+        for expert in range(spec.num_experts):
+            theirs = torch.cat(converters.expert_block_rows(module, expert))
+            assert torch.equal(torch.cat(ours.expert_block_rows(module, expert)), theirs), (module, expert)
+            assert torch.equal(ours.expert_fp32(module, expert), dense.expert_fp32(module, expert)), (module, expert)
+
+
+@pytest.mark.parametrize("name", ["hf", "gguf"])
+def test_mxfp4_experts_match_transformers(name: str, mxfp4_sources: dict[str, Path], mxfp4_engines: Any) -> None:
+    """A checkpoint of MXFP4 experts as released, and llama.cpp's converter's file of it: the
+    engine keeps them as MXFP4 blocks and matches transformers on the same values dequantized
+    (greedy over 16 tokens, last logits within the tolerance). Measured (the file): 1.7-3.5e-6 x
+    std on the three prompts; against transformers on the blocks read with each byte's nibbles
+    swapped, 3.7-5.1 x std."""
+    engine = mxfp4_engines[name]
+    experts = {module: fmt for module, fmt in engine.config.weight_formats.items() if ".mlp.experts_" in module}
     assert experts and set(experts.values()) == {"mxfp4"}, engine.config.weight_formats
-    with pytest.raises(UnsupportedModelError, match="quant_method='mxfp4' is not supported"):
-        model_spec_from_hf_config(AutoConfig.from_pretrained(dense.parent / "mxfp4"))
-    hf = oracle(dense)
+    hf = oracle(mxfp4_sources["oracle"])
     texts = prompts(VOCAB_SIZE, list(PROMPT_LENGTHS), seed=11)
     error = logit_error(engine, hf, texts[0])
-    assert error <= TOLERANCE, f"mxfp4: max logit error {error:.2e} x std"
+    assert error <= TOLERANCE, f"mxfp4 {name}: max logit error {error:.2e} x std"
     for text in texts:
         assert greedy_generate(engine, text, NEW_TOKENS) == hf_greedy(hf, text, NEW_TOKENS), len(text)
