@@ -9,13 +9,9 @@ The pools may be narrower than the step (`ifb build --kv-dtype fp16`, or q8_0 ro
 per-32 scales, `kv_format.py`): K/V are rounded to the pool's format when written and read back
 in fp32 (the torch paths dequantize the blocks they gather, the kernel as it loads each row).
 
-`window` (Mistral's and Phi-3's sliding window, `ModelSpec.sliding_window`): a query at position
-i attends to key positions p with i - window < p <= i, as transformers' sliding_window_overlay
-(`kv_idx > q_idx - sliding_window`); None attends to every earlier key.
-
-`softcap` (Gemma 2's attn_logit_softcapping): each scaled score s becomes cap * tanh(s / cap)
-before the mask and softmax, as transformers' eager attention; None leaves scores as they are.
-SDPA has no such hook, so a capped context path forms its scores explicitly.
+Every path takes the layer's `AttentionVariant` (attention_variant.py: the sliding window, the
+soft-cap) and its sink logits (gpt-oss) beside it, one contract: SDPA has no hook for a cap or a
+sink, so a capped or sunk context path forms its scores explicitly.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ifb.plugins.attention_variant import PLAIN, AttentionVariant
 from ifb.plugins.kv_format import decode, encode
 from ifb.plugins.layout import AttentionLayout
 
@@ -51,6 +48,7 @@ def _grouped_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, Q, H, D], keys/values [N, L, KVH, D], mask [N, Q, L] -> [N, Q, H, D].
 
@@ -59,7 +57,7 @@ def _grouped_attention(
     q with them: SDPA takes one dtype, and rounding K/V to bf16 would drop bits fp16 kept.
     """
     if keys.dtype != q.dtype:
-        return _grouped_attention(q.float(), keys.float(), values.float(), mask, scale, softcap).to(q.dtype)
+        return _grouped_attention(q.float(), keys.float(), values.float(), mask, scale, softcap, sinks).to(q.dtype)
     n, num_q, num_heads, head_dim = q.shape
     num_kv_heads, length = keys.shape[2], keys.shape[1]
     group = num_heads // num_kv_heads
@@ -67,24 +65,48 @@ def _grouped_attention(
     qg = qg.reshape(n, num_kv_heads, group * num_q, head_dim)
     grouped_mask = mask[:, None, None].expand(n, 1, group, num_q, length)
     grouped_mask = grouped_mask.reshape(n, 1, group * num_q, length)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=grouped_mask, scale=scale
         )
     else:
-        out = _capped_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), grouped_mask, scale, softcap)
+        # each folded query row's sink: head (kv, g) repeated over the num_q queries
+        row_sinks = None
+        if sinks is not None:
+            row_sinks = sinks.reshape(num_kv_heads, group, 1).expand(-1, -1, num_q).reshape(num_kv_heads, -1)
+        out = _explicit_attention(
+            qg, keys.transpose(1, 2), values.transpose(1, 2), grouped_mask, scale, softcap, row_sinks
+        )
     out = out.reshape(n, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(n, num_q, num_heads, head_dim)
 
 
-def _capped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+def _explicit_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    row_sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """SDPA's arithmetic spelled out, with the scores capped before the mask: q [N, KVH, Q, D],
-    keys/values [N, KVH, L, D], mask [N, 1, Q, L] -> [N, KVH, Q, D]."""
+    """SDPA's arithmetic spelled out, with the scores capped before the mask and each row's sink
+    joining its softmax: q [N, KVH, R, D], keys/values [N, KVH, L, D], mask [N, 1, R, L],
+    row_sinks [KVH, R] -> [N, KVH, R, D]."""
     scores = _cap(torch.matmul(q, keys.transpose(-1, -2)) * scale, softcap)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return torch.matmul(probs, values)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if row_sinks is None:
+        return torch.matmul(scores.softmax(dim=-1), values)
+    probs = _softmax_with_sink(scores.float(), row_sinks.float()[None, :, :, None], dim=-1)
+    return torch.matmul(probs.to(values.dtype), values)
+
+
+def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor, dim: int) -> torch.Tensor:
+    """softmax over `scores` and one more logit `sink` (broadcast to scores with `dim` of size 1),
+    the sink's own probability dropped: it weights no value (transformers' GptOss attention)."""
+    top = torch.maximum(scores.amax(dim=dim, keepdim=True), sink)
+    weights = (scores - top).exp()
+    return weights / (weights.sum(dim=dim, keepdim=True) + (sink - top).exp())
 
 
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -98,6 +120,7 @@ def _decode_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, H, D], keys/values [N, L, KVH, D] (gathered lazily), mask [N, L] -> [N, H, D].
 
@@ -111,7 +134,10 @@ def _decode_attention(
     qg = q.reshape(n, 1, num_kv_heads, group, head_dim).float()
     scores = _cap((qg * keys.float()[:, :, :, None, :]).sum(-1) * scale, softcap)  # [N, L, KVH, G]
     scores = scores.masked_fill(~mask[:, :, None, None], float("-inf"))
-    probs = scores.softmax(dim=1)
+    if sinks is None:
+        probs = scores.softmax(dim=1)
+    else:
+        probs = _softmax_with_sink(scores, sinks.float().reshape(1, 1, num_kv_heads, group), dim=1)
     out = (probs[..., None] * values.float()[:, :, :, None, :]).sum(1)  # [N, KVH, G, D]
     return out.reshape(n, num_heads, head_dim).to(q.dtype)
 
@@ -125,8 +151,8 @@ def _context_attention(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
-    window: int | None,
-    softcap: float | None,
+    variant: AttentionVariant,
+    sinks: torch.Tensor | None,
 ) -> None:
     rows = layout.context_query_rows
     keys = _gather_blocks(k_pool, layout.context_block_tables, block_size)
@@ -134,9 +160,9 @@ def _context_attention(
     key_index = torch.arange(keys.shape[1], device=q.device)
     query_positions = positions[rows][:, :, None]
     mask = key_index[None, None, :] <= query_positions
-    if window is not None:
-        mask = mask & (key_index[None, None, :] > query_positions - window)
-    context_out = _grouped_attention(q[rows], keys, values, mask, scale, softcap)
+    if variant.window is not None:
+        mask = mask & (key_index[None, None, :] > query_positions - variant.window)
+    context_out = _grouped_attention(q[rows], keys, values, mask, scale, variant.softcap, sinks)
     out.index_copy_(0, rows.flatten(), context_out.flatten(0, 1))
 
 
@@ -149,8 +175,8 @@ def _context_attention_per_row(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
-    window: int | None,
-    softcap: float | None,
+    variant: AttentionVariant,
+    sinks: torch.Tensor | None,
 ) -> None:
     """The context path through the decode kernel: each query row is its own item, over its
     request's keys up to its own position.
@@ -167,7 +193,7 @@ def _context_attention_per_row(
     queries_per_request = layout.context_query_rows.shape[1]
     tables = layout.context_block_tables[:, None, :].expand(-1, queries_per_request, -1).flatten(0, 1)
     attended = _kernel_attention(
-        q[rows].float(), k_pool, v_pool, tables, positions[rows] + 1, block_size, scale, window, softcap
+        q[rows].float(), k_pool, v_pool, tables, positions[rows] + 1, block_size, scale, variant, sinks
     )
     out.index_copy_(0, rows, attended.to(q.dtype))
 
@@ -180,19 +206,20 @@ def _kernel_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     scale: float,
-    window: int | None,
-    softcap: float | None,
+    variant: AttentionVariant,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The decode kernel, windowed or capped or neither; an engine without a window (or a cap)
-    calls the op it always has, so its compiled graph is the one it was before they existed."""
-    if softcap is not None:
-        return torch.ops.ifb_quant.paged_decode_attention_softcap(
-            q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, window or 0, softcap
-        )
-    if window is None:
-        return torch.ops.ifb_quant.paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale)
-    return torch.ops.ifb_quant.paged_decode_attention_window(
-        q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, window
+    """The kernel's one op, the variant as its named fields (sinks in fp32, as the kernel reads them)."""
+    return torch.ops.ifb_quant.paged_attention(
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        block_size,
+        scale,
+        variant.kernel_fields(),
+        None if sinks is None else sinks.float(),
     )
 
 
@@ -204,25 +231,25 @@ def paged_attention(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
+    variant: AttentionVariant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every packed query over its own request's blocks (over its last
-    `window` keys only, with a sliding window; scores capped by `softcap`).
+    """Causal attention of every packed query over its own request's blocks, as `variant` says
+    (its last `window` keys only; scores capped), with `sinks` [H] in each softmax if given.
 
     q [T, H, D]; pools [num_slots, KVH, row]; returns [T, H, D].
     """
     out = torch.zeros_like(q)
-    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale, window, softcap)
+    _context_attention(out, q, k_pool, v_pool, positions, layout, block_size, scale, variant, sinks)
     rows = layout.decode_query_rows
     keys = _gather_blocks(k_pool, layout.decode_block_tables, block_size)
     values = _gather_blocks(v_pool, layout.decode_block_tables, block_size)
     key_index = torch.arange(keys.shape[1], device=q.device)
     seq_lens = layout.decode_seq_lens[:, None]
     mask = key_index[None, :] < seq_lens
-    if window is not None:
-        mask = mask & (key_index[None, :] >= seq_lens - window)
-    out.index_copy_(0, rows, _decode_attention(q[rows], keys, values, mask, scale, softcap))
+    if variant.window is not None:
+        mask = mask & (key_index[None, :] >= seq_lens - variant.window)
+    out.index_copy_(0, rows, _decode_attention(q[rows], keys, values, mask, scale, variant.softcap, sinks))
     return out
 
 
@@ -234,8 +261,8 @@ def paged_attention_decode_kernel(
     layout: AttentionLayout,
     block_size: int,
     scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
+    variant: AttentionVariant = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the decode path in our C++ kernel (plugins/csrc/paged_decode_attention.cpp),
     which reads each request's K/V in place through its block table: at 32 rows x 256 tokens of
@@ -244,7 +271,7 @@ def paged_attention_decode_kernel(
     kernel library loaded. The context path goes through the same kernel, row by row
     (`_context_attention_per_row`), for batch invariance."""
     out = torch.zeros_like(q)
-    _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale, window, softcap)
+    _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale, variant, sinks)
     rows = layout.decode_query_rows
     decoded = _kernel_attention(
         q[rows].float(),
@@ -254,8 +281,8 @@ def paged_attention_decode_kernel(
         layout.decode_seq_lens,
         block_size,
         scale,
-        window,
-        softcap,
+        variant,
+        sinks,
     )
     out.index_copy_(0, rows, decoded.to(q.dtype))
     return out

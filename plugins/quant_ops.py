@@ -72,17 +72,22 @@ _LIBRARY = torch.library.Library("ifb_quant", "DEF")
 # engine's own kernel library implements this schema, so built engines keep loading.
 _LIBRARY.define("quant_matmul(Tensor x, Tensor packed, str format, int n, int k) -> Tensor")
 _LIBRARY.define("quant_matmul_int8(Tensor x, Tensor packed, str format, int n, int k) -> Tensor")
+# The one attention op (plugins/attention_variant.py): the variant's fields as a string of named
+# values, the sinks as an optional tensor, so a later variant needs no new op or C signature.
+_LIBRARY.define(
+    "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
+    "int block_size, float scale, str variant, Tensor? sinks) -> Tensor"
+)
+# The three ops engines built before that contract call: a compiled step names its op's shim, so
+# their libraries' schemas and shims stay (csrc/quant_binding.cpp). New steps never call them.
 _LIBRARY.define(
     "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
     "int block_size, float scale) -> Tensor"
 )
-# A separate op, not a new argument: an engine built before sliding windows ships a library that
-# implements the schema above, and must keep loading.
 _LIBRARY.define(
     "paged_decode_attention_window(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
     "int block_size, float scale, int window) -> Tensor"
 )
-# Gemma 2's attention soft-capping, likewise its own op: window 0 = none, softcap 0 = none.
 _LIBRARY.define(
     "paged_decode_attention_softcap(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
     "int block_size, float scale, int window, float softcap) -> Tensor"
@@ -101,22 +106,11 @@ QUANT_EMBEDDING_SHIM = (
     "AOTITorchError aoti_torch_cpu_quant_embedding(AtenTensorHandle ids, AtenTensorHandle packed, const char* format, "
     "const char* compute, int64_t n, int64_t k, AtenTensorHandle* ret0)"
 )
-PAGED_DECODE_ATTENTION_SHIM = (
-    "AOTITorchError aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_pool, "
+# An optional tensor reaches a C shim as a pointer to its handle (nullptr for None).
+PAGED_ATTENTION_SHIM = (
+    "AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k_pool, "
     "AtenTensorHandle v_pool, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, int64_t block_size, "
-    "double scale, AtenTensorHandle* ret0)"
-)
-
-PAGED_DECODE_ATTENTION_WINDOW_SHIM = (
-    "AOTITorchError aoti_torch_cpu_paged_decode_attention_window(AtenTensorHandle q, AtenTensorHandle k_pool, "
-    "AtenTensorHandle v_pool, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, int64_t block_size, "
-    "double scale, int64_t window, AtenTensorHandle* ret0)"
-)
-
-PAGED_DECODE_ATTENTION_SOFTCAP_SHIM = (
-    "AOTITorchError aoti_torch_cpu_paged_decode_attention_softcap(AtenTensorHandle q, AtenTensorHandle k_pool, "
-    "AtenTensorHandle v_pool, AtenTensorHandle block_tables, AtenTensorHandle seq_lens, int64_t block_size, "
-    "double scale, int64_t window, double softcap, AtenTensorHandle* ret0)"
+    "double scale, const char* variant, AtenTensorHandle* sinks, AtenTensorHandle* ret0)"
 )
 
 
@@ -125,9 +119,7 @@ def aoti_configs() -> dict[str, object]:
     shims = {
         torch.ops.ifb_quant.quant_matmul.default: [QUANT_MATMUL_SHIM],
         torch.ops.ifb_quant.quant_matmul_int8.default: [QUANT_MATMUL_INT8_SHIM],
-        torch.ops.ifb_quant.paged_decode_attention.default: [PAGED_DECODE_ATTENTION_SHIM],
-        torch.ops.ifb_quant.paged_decode_attention_window.default: [PAGED_DECODE_ATTENTION_WINDOW_SHIM],
-        torch.ops.ifb_quant.paged_decode_attention_softcap.default: [PAGED_DECODE_ATTENTION_SOFTCAP_SHIM],
+        torch.ops.ifb_quant.paged_attention.default: [PAGED_ATTENTION_SHIM],
         torch.ops.ifb_quant.quant_embedding.default: [QUANT_EMBEDDING_SHIM],
     }
     from ifb.plugins.grouped_experts import grouped_experts_shims  # its ops' schemas live with them
@@ -148,13 +140,18 @@ def _quant_matmul_int8_fake(x: torch.Tensor, packed: torch.Tensor, format: str, 
     return x.new_empty((*x.shape[:-1], n))
 
 
-def _paged_decode_attention_fake(q: torch.Tensor, *tables_and_constants: object) -> torch.Tensor:
-    """Every decode-attention op (plain, windowed, capped): the output is q's shape and dtype."""
+def _paged_attention_fake(q: torch.Tensor, *tables_constants_and_sinks: object) -> torch.Tensor:
+    """Every attention op (the contract's and the three before it): the output is q's shape and dtype."""
     return torch.empty_like(q)
 
 
-for _op in ("paged_decode_attention", "paged_decode_attention_window", "paged_decode_attention_softcap"):
-    torch.library.register_fake(f"ifb_quant::{_op}")(_paged_decode_attention_fake)
+for _op in (
+    "paged_attention",
+    "paged_decode_attention",
+    "paged_decode_attention_window",
+    "paged_decode_attention_softcap",
+):
+    torch.library.register_fake(f"ifb_quant::{_op}")(_paged_attention_fake)
 
 
 @torch.library.register_fake("ifb_quant::quant_dequantize")

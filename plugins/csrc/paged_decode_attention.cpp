@@ -18,6 +18,10 @@
 // same order, so a row's result still depends on nothing but its own keys. With Gemma 2's
 // soft-capping each score passes through cap * tanh(s / cap) before the softmax (scalar tanh, in
 // key order: the cost is one tanh per key and head, and the result stays a function of the row).
+// With gpt-oss's attention sinks a head's learned sink logit joins the max and, after the keys'
+// sum, the denominator, and weights no value: one scalar per head and row, still the row's own.
+// These are the fields of one attention contract (the binding's `variant` + `sinks`): a new
+// variant is a field here and a branch in attend_heads, not another op.
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -51,6 +55,13 @@ inline V exp_nonpositive(V x) {
   p = fmadd(p, r, broadcast(1.0f));
   p = fmadd(p, r, broadcast(1.0f));
   return mul(p, pow2(n));
+}
+
+// exp(x) for one x <= 0, by the same polynomial as the scores' (a sink's weight).
+inline float exp_of_nonpositive(float x) {
+  float lanes[kLanes];
+  store(lanes, exp_nonpositive(broadcast(x)));
+  return lanes[0];
 }
 
 // The pool slots of a row's consecutive key positions: one table read and division per block, not
@@ -208,12 +219,16 @@ void attend_heads(const DecodeAttentionProblem& p, int64_t row, int64_t head0, s
     for (int64_t l = length; l < padded; ++l) score[g][l] = -INFINITY;
     V peak = broadcast(-INFINITY);
     for (int64_t l = 0; l < padded; l += kLanes) peak = max(peak, load(score[g] + l));
-    const V top = broadcast(max_lanes(peak));
+    float top_score = max_lanes(peak);
+    if (p.sinks != nullptr) top_score = std::max(top_score, p.sinks[head0 + g]);
+    const V top = broadcast(top_score);
     for (int64_t l = 0; l < padded; l += kLanes) store(score[g] + l, exp_nonpositive(sub(load(score[g] + l), top)));
     std::fill(score[g] + length, score[g] + padded, 0.0f);  // the padding's exp(-87), not 0
     V total = zero();
     for (int64_t l = 0; l < padded; l += kLanes) total = add(total, load(score[g] + l));
-    inverse[g] = 1.0f / sum_lanes(total);
+    float denominator = sum_lanes(total);
+    if (p.sinks != nullptr) denominator += exp_of_nonpositive(p.sinks[head0 + g] - top_score);
+    inverse[g] = 1.0f / denominator;
   }
 
   V acc[S][CH];

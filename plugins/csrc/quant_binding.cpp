@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -175,13 +177,52 @@ KvType kv_type(const at::Tensor& pool) {
   }
 }
 
-// `window` > 0: each row attends to its last `window` keys only (sliding-window attention);
-// `softcap` > 0: each scaled score s is cap * tanh(s / cap) (Gemma 2's attention soft-capping).
-at::Tensor paged_decode_attention_softcap(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                          int64_t block_size, double scale, int64_t window, double softcap) {
-  TORCH_CHECK(window >= 0, "ifb_quant: the sliding window must be >= 0 (0 = none), got ", window);
-  TORCH_CHECK(softcap >= 0, "ifb_quant: the attention softcap must be >= 0 (0 = none), got ", softcap);
+// One attention contract: what distinguishes a model's attention from plain causal softmax
+// attention, as named fields of the op's `variant` string (plugins/attention_variant.py writes it)
+// plus the optional sinks tensor. A compiled step calls the shim with these as literals, so a new
+// field needs no new C signature: an old package keeps calling the same symbol.
+//   window=N   N > 0: each row attends to its last N keys only (sliding-window attention)
+//   softcap=C  C > 0: each scaled score s is C * tanh(s / C) (Gemma 2's attention soft-capping)
+struct AttentionVariantFields {
+  int64_t window = 0;
+  double softcap = 0.0;
+};
+
+AttentionVariantFields parse_attention_variant(c10::string_view text) {
+  AttentionVariantFields fields;
+  const std::string all(text);
+  size_t begin = 0;
+  while (begin < all.size()) {
+    const size_t end = std::min(all.find(';', begin), all.size());
+    const std::string field = all.substr(begin, end - begin);
+    begin = end + 1;
+    if (field.empty()) continue;
+    const size_t equals = field.find('=');
+    TORCH_CHECK(equals != std::string::npos, "ifb_quant: attention variant field '", field, "' is not name=value");
+    const std::string name = field.substr(0, equals), value = field.substr(equals + 1);
+    size_t used = 0;
+    try {
+      if (name == "window") {
+        fields.window = std::stoll(value, &used);
+      } else if (name == "softcap") {
+        fields.softcap = std::stod(value, &used);
+      } else {
+        TORCH_CHECK(false, "ifb_quant: unknown attention variant field '", name, "' (known: window, softcap)");
+      }
+    } catch (const std::logic_error&) {
+      used = 0;
+    }
+    TORCH_CHECK(used == value.size() && !value.empty(), "ifb_quant: attention variant field ", name,
+                " has no number: '", value, "'");
+  }
+  TORCH_CHECK(fields.window >= 0, "ifb_quant: the sliding window must be >= 0 (0 = none), got ", fields.window);
+  TORCH_CHECK(fields.softcap >= 0, "ifb_quant: the attention softcap must be >= 0 (0 = none), got ", fields.softcap);
+  return fields;
+}
+
+at::Tensor run_paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                               double scale, const AttentionVariantFields& variant, const float* sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.device().is_cpu(),
               "ifb_quant: q must be a CPU float32 tensor [rows, heads, head_dim], got ", q.sizes());
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type() &&
@@ -215,11 +256,35 @@ at::Tensor paged_decode_attention_softcap(const at::Tensor& q, const at::Tensor&
   const DecodeAttentionProblem problem{queries.const_data_ptr<float>(), rows, heads, kv_heads, head_dim,
                                        k_pool.const_data_ptr(), v_pool.const_data_ptr(), kv_type(k_pool),
                                        table_data, tables.size(1), length_data, block_size,
-                                       static_cast<float>(scale), out.mutable_data_ptr<float>(), window,
-                                       static_cast<float>(softcap)};
+                                       static_cast<float>(scale), out.mutable_data_ptr<float>(), variant.window,
+                                       static_cast<float>(variant.softcap), sinks};
   at::parallel_for(0, rows * kv_heads, 1,
                    [&](int64_t begin, int64_t end) { run_decode_attention(problem, begin, end); });
   return out;
+}
+
+// The one attention op: `variant` as above; `sinks`, if given, float32 [heads] (gpt-oss).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                           double scale, c10::string_view variant, const std::optional<at::Tensor>& sinks) {
+  const AttentionVariantFields fields = parse_attention_variant(variant);
+  if (!sinks.has_value()) return run_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, fields, nullptr);
+  TORCH_CHECK(sinks->dim() == 1 && sinks->scalar_type() == at::kFloat && q.dim() == 3 && sinks->size(0) == q.size(1),
+              "ifb_quant: attention sinks must be float32 [heads] (", q.dim() == 3 ? q.size(1) : -1, "), got ",
+              sinks->scalar_type(), " ", sinks->sizes());
+  const at::Tensor sink_logits = sinks->contiguous();
+  return run_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, fields,
+                             sink_logits.const_data_ptr<float>());
+}
+
+// The three ops engines built before the contract call (through their shims below); kept so
+// those engines keep loading. New builds call paged_attention only.
+at::Tensor paged_decode_attention_softcap(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                          int64_t block_size, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "ifb_quant: the sliding window must be >= 0 (0 = none), got ", window);
+  TORCH_CHECK(softcap >= 0, "ifb_quant: the attention softcap must be >= 0 (0 = none), got ", softcap);
+  return run_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, {window, softcap}, nullptr);
 }
 
 at::Tensor paged_decode_attention_window(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -282,6 +347,7 @@ TORCH_LIBRARY_IMPL(ifb_quant, CPU, m) {
   m.impl("quant_matmul_int8", &ifb_quant::quant_matmul_int8);
   m.impl("quant_dequantize", &ifb_quant::quant_dequantize);
   m.impl("quant_embedding", &ifb_quant::quant_embedding);
+  m.impl("paged_attention", &ifb_quant::paged_attention);
   m.impl("paged_decode_attention", &ifb_quant::paged_decode_attention);
   m.impl("paged_decode_attention_window", &ifb_quant::paged_decode_attention_window);
   m.impl("paged_decode_attention_softcap", &ifb_quant::paged_decode_attention_softcap);
@@ -313,6 +379,24 @@ IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_matmul_int8(AtenTensorHandle x, A
                                                             const char* format, int64_t n, int64_t k,
                                                             AtenTensorHandle* ret0) {
   return matmul_shim(&ifb_quant::quant_matmul_int8, x, packed, format, n, k, ret0);
+}
+
+// `sinks` is nullptr for None (AOTInductor passes an optional tensor as a pointer to its handle).
+IFB_EXPORT AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k_pool,
+                                                          AtenTensorHandle v_pool, AtenTensorHandle block_tables,
+                                                          AtenTensorHandle seq_lens, int64_t block_size, double scale,
+                                                          const char* variant, AtenTensorHandle* sinks,
+                                                          AtenTensorHandle* ret0) {
+  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    std::optional<at::Tensor> sink_logits;
+    if (sinks != nullptr) sink_logits = *tensor_handle_to_tensor_pointer(*sinks);
+    at::Tensor out = ifb_quant::paged_attention(
+        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k_pool),
+        *tensor_handle_to_tensor_pointer(v_pool), *tensor_handle_to_tensor_pointer(block_tables),
+        *tensor_handle_to_tensor_pointer(seq_lens), block_size, scale, variant, sink_logits);
+    *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+  });
 }
 
 IFB_EXPORT AOTITorchError aoti_torch_cpu_paged_decode_attention(AtenTensorHandle q, AtenTensorHandle k_pool,

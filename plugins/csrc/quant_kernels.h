@@ -141,6 +141,9 @@ struct DecodeAttentionProblem {
   int64_t window = 0;
   // Gemma 2's attention-logit soft-capping: each scaled score s becomes cap * tanh(s / cap); 0 = none.
   float softcap = 0.0f;
+  // gpt-oss's attention sinks: [num_heads] logits, each joining its head's softmax max and
+  // denominator and weighting no value; nullptr = none.
+  const float* sinks = nullptr;
 };
 
 // Items [item_begin, item_end) of num_rows * num_kv_heads (row-major): each computed alone.

@@ -18,6 +18,7 @@ from torch import nn
 
 from ifb.plugins.attention import paged_attention, paged_attention_decode_kernel, write_kv
 from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
+from ifb.plugins.attention_variant import AttentionVariant
 from ifb.plugins.layout import AttentionLayout
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
 from ifb.runtime.engine_format import Activation, ModelSpec
@@ -141,9 +142,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_dim, spec.hidden_size, bias=spec.attention_out_bias)
         self.block_size = block_size
         self.scale = spec.attention_scale or spec.head_dim**-0.5
-        # Mistral, Phi-3, Gemma 3's local layers: each query sees its last `window` keys
-        self.window = spec.layer_window(index)
-        self.softcap = spec.attn_logit_softcap  # Gemma 2: scores capped before the softmax
+        # Mistral, Phi-3, Gemma 3's local layers: each query sees its last `window` keys; Gemma 2:
+        # scores capped before the softmax
+        self.variant = AttentionVariant(window=spec.layer_window(index), softcap=spec.attn_logit_softcap)
         # gpt-oss: a sink logit per query head in each softmax's denominator (kept fp32, as read)
         self.sinks: torch.Tensor | None = None
         if spec.attention_sinks:
@@ -180,7 +181,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
         out = self.ops.attend(
-            q, k_pool, v_pool, positions, layout, self.block_size, self.scale, self.window, self.softcap
+            q, k_pool, v_pool, positions, layout, self.block_size, self.scale, self.variant, self.sinks
         )
         return self.o_proj(out.reshape(num_tokens, self.q_dim))
 

@@ -1,9 +1,12 @@
-"""ifb_quant.quant_matmul inside an AOTInductor package, run through the runtime's ctypes path.
+"""ifb_quant.quant_matmul and ifb_quant.paged_attention inside AOTInductor packages, run through
+the runtime's ctypes path.
 
 Pins what the builder and runtime rely on: with `quant_ops.aoti_configs()` the compiled graph
 calls the library's C shim directly (no proxy executor, which the ctypes runtime does not pass),
 freezing keeps the uint8 packed weights as constants fed to the op (nothing folded through it),
-and the compiled output equals eager bit for bit for several batch sizes of one dynamic M.
+and the compiled output equals eager bit for bit for several batch sizes of one dynamic M. The
+one attention op reaches its shim with the variant's fields as a string literal and the sinks as
+an optional tensor (a constant, or nullptr for none), and gives eager's bits.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from ifb.plugins import quant_ops
+from ifb.plugins.attention_variant import AttentionVariant
 from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
 from ifb.plugins.quant_formats import WeightFormat, quantize
 
@@ -115,3 +119,60 @@ def test_ctypes_run_equals_eager_bitwise(package_dir: tuple[Path, _ToyMlp], rows
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     compiled = _run_ctypes(_one(folder, ".so"), [x])
     assert torch.equal(compiled, model(x))
+
+
+class _ToyAttention(torch.nn.Module):
+    """The attention op twice: a gpt-oss-like layer (window, cap, sinks) and a plain one (no sinks)."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.register_buffer("sinks", torch.randn(heads, generator=torch.Generator().manual_seed(5)) * 2)
+        self.fields = AttentionVariant(window=20, softcap=5.0).kernel_fields()
+
+    def forward(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        attend = torch.ops.ifb_quant.paged_attention
+        sunk = attend(q, k_pool, v_pool, tables, lengths, 16, 0.125, self.fields, self.sinks)
+        return sunk + attend(q, k_pool, v_pool, tables, lengths, 16, 0.125, "", None)
+
+
+def _attention_inputs(rows: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, 9, 64, generator=generator)
+    pools = [torch.randn(64 * 16, 3, 64, generator=generator) for _ in range(2)]
+    tables = torch.stack([torch.randperm(64, generator=generator)[:4] for _ in range(rows)])
+    lengths = torch.randint(1, 4 * 16 + 1, (rows,), generator=generator)
+    return [q, *pools, tables, lengths]
+
+
+@pytest.fixture(scope="module")
+def attention_package(
+    tmp_path_factory: pytest.TempPathFactory, quant_library: QuantLibrary
+) -> tuple[Path, _ToyAttention]:
+    model = _ToyAttention(heads=9).eval()
+    rows = torch.export.Dim("rows", min=1, max=32)
+    exported = torch.export.export(
+        model, tuple(_attention_inputs(4, seed=0)), dynamic_shapes=({0: rows}, None, None, {0: rows}, {0: rows})
+    )
+    out = tmp_path_factory.mktemp("attention-aoti")
+    configs = {"freezing": True, **quant_ops.aoti_configs()}
+    package = torch._inductor.aoti_compile_and_package(
+        exported, package_path=str(out / "model.pt2"), inductor_configs=configs
+    )
+    with zipfile.ZipFile(package) as archive:
+        archive.extractall(out / "unpacked")
+    return out / "unpacked", model
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_the_attention_contract_reaches_its_shim_and_gives_eagers_bits(
+    attention_package: tuple[Path, _ToyAttention], rows: int
+) -> None:
+    folder, model = attention_package
+    source = _one(folder, ".wrapper.cpp").read_text()
+    assert source.count("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_paged_attention(") == 2
+    assert '"window=20;softcap=5.0"' in source and "proxy_executor_call_function" not in source
+    inputs = _attention_inputs(rows, seed=rows)
+    compiled = _run_ctypes(_one(folder, ".so"), inputs)
+    assert torch.equal(compiled, model(*inputs))
