@@ -12,7 +12,7 @@ import torch
 from ifb.runtime.engine_format import BackendKind, EngineConfig
 from ifb.runtime.engine_format.weights_file import map_weights
 from ifb.runtime.errors import EngineFormatError
-from ifb.runtime.step.kernels import load_engine_kernels
+from ifb.runtime.step.kernels import load_engine_kernels, step_load_error
 from ifb.runtime.step.network import StepNetwork, attention_ops, rope_constants
 from ifb.runtime.step.step_inputs import StepInputs
 
@@ -72,7 +72,10 @@ def _cpu_step(config: EngineConfig) -> StepBackend:
     from ifb.runtime.step.aoti_step import AotiStep
 
     constants = step_constants(config) if config.step_constants_external else None
-    return AotiStep(config.step_package_path, constants)
+    try:
+        return AotiStep(config.step_package_path, constants)
+    except OSError as error:
+        raise step_load_error(config, error) from error
 
 
 def step_constants(config: EngineConfig) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ so this must run before AotiStep dlopens it; the eager network needs the op regi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ifb.plugins.quant_build import QuantLibraryError, cpu_features, load_quant_library
@@ -40,3 +41,24 @@ def load_engine_kernels(config: EngineConfig) -> None:
         ensure_quant_library(config.kernels_path, config.kernels.isa, config.kernels.cpu_features)
     except (QuantLibraryError, OSError) as error:
         raise EngineFormatError(f"engine {config.folder}: cannot load {config.kernels.path}: {error}") from error
+
+
+def step_load_error(config: EngineConfig, error: OSError) -> Exception:
+    """What a compiled step's failed dlopen means, in one line, where the cause is ours.
+
+    One kernel library per ISA serves the process (the first engine's), and a compiled step
+    resolves its shims from it. A step built by a newer ifb can call a shim an older library
+    lacks (every block engine since the one attention op calls `aoti_torch_cpu_paged_attention`),
+    so a router serving an older engine first would fail the newer one with dlopen's bare
+    "undefined symbol". Not guessed around: another library's kernels may read other layouts."""
+    missing = re.search(r"undefined symbol: (\w+)", str(error))
+    if config.kernels is None or missing is None:
+        return error
+    loaded = _LOADED.get(config.kernels.isa)
+    if loaded is None or loaded == config.kernels_path:
+        return error
+    return EngineFormatError(
+        f"engine {config.folder}: its compiled step calls {missing.group(1)}, which the {config.kernels.isa} "
+        f"kernel library this process loaded first ({loaded}, of an engine built by another ifb version) "
+        "lacks; serve the two engines in separate processes, or rebuild the older one with this ifb"
+    )
