@@ -80,16 +80,19 @@ def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
 def package_dir(tmp_path_factory: pytest.TempPathFactory, quant_library: QuantLibrary) -> tuple[Path, _ToyMlp]:
     model = _ToyMlp(hidden=64, inner=96).eval()
     m = torch.export.Dim("m", min=1, max=64)
-    example = torch.randn(4, 64)
-    exported = torch.export.export(model, (example,), dynamic_shapes=({0: m},))
-    out = tmp_path_factory.mktemp("quant-aoti")
+    exported = torch.export.export(model, (torch.randn(4, 64),), dynamic_shapes=({0: m},))
+    return _compile_and_unpack(exported, tmp_path_factory.mktemp("quant-aoti")), model
+
+
+def _compile_and_unpack(exported: torch.export.ExportedProgram, out: Path) -> Path:
+    """AOTInductor with freezing and our ops' C shims, as the builder compiles; the package unzipped."""
     configs = {"freezing": True, **quant_ops.aoti_configs()}
     package = torch._inductor.aoti_compile_and_package(
         exported, package_path=str(out / "model.pt2"), inductor_configs=configs
     )
     with zipfile.ZipFile(package) as archive:
         archive.extractall(out / "unpacked")
-    return out / "unpacked", model
+    return out / "unpacked"
 
 
 def _one(folder: Path, suffix: str) -> Path:
@@ -155,14 +158,7 @@ def attention_package(
     exported = torch.export.export(
         model, tuple(_attention_inputs(4, seed=0)), dynamic_shapes=({0: rows}, None, None, {0: rows}, {0: rows})
     )
-    out = tmp_path_factory.mktemp("attention-aoti")
-    configs = {"freezing": True, **quant_ops.aoti_configs()}
-    package = torch._inductor.aoti_compile_and_package(
-        exported, package_path=str(out / "model.pt2"), inductor_configs=configs
-    )
-    with zipfile.ZipFile(package) as archive:
-        archive.extractall(out / "unpacked")
-    return out / "unpacked", model
+    return _compile_and_unpack(exported, tmp_path_factory.mktemp("attention-aoti")), model
 
 
 @pytest.mark.parametrize("rows", [1, 7])
