@@ -140,7 +140,7 @@ def warn_dequantized(plan: WeightPlan, dtype_bytes: int) -> None:
     if plan.has_blocks and dtype_bytes > 2 and plan.sixteen_bit:
         widened = plan.sixteen_bit
         logger.warning(
-            "%d F16/BF16 GGUF tensor(s) are widened to %d-byte floats beside the block weights (no kernel reads "
+            "%d F16/BF16 source tensor(s) are widened to %d-byte floats beside the block weights (no kernel reads "
             "16-bit matrices): %.2f MB in the file -> %.2f MB in the engine: %s",
             len(widened),
             dtype_bytes,
@@ -154,7 +154,7 @@ def warn_dequantized(plan: WeightPlan, dtype_bytes: int) -> None:
     dense_bytes = sum(info.rows * info.cols * dtype_bytes for info in plan.dequantized)
     kinds = sorted({info.type_name for info in plan.dequantized})
     logger.warning(
-        "%d GGUF tensor(s) in %s have no kernel here and are stored dequantized (%.1f MB in the file -> "
+        "%d source tensor(s) in %s have no kernel here and are stored dequantized (%.1f MB in the file -> "
         "%.1f MB in the engine): %s",
         len(plan.dequantized),
         "/".join(kinds),
