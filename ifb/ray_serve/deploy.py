@@ -115,6 +115,17 @@ def _replicas(name: str, engine: Path, settings: RuntimeSettings, options: Serve
     return replica, capacity
 
 
+# Ray Serve's controller kills and restarts its HTTP proxy when the proxy does not answer its first
+# ready check within 5 s or a health check within 10 s, and serve.start then fails on the dead
+# proxy (ActorDiedError). On a busy 2-core machine (the test suite beside two busy processes) the
+# proxy's start took longer than that and `ifb serve` could not start at all. A local instance,
+# which inherits this process's environment, gives its proxy the bound our replicas have.
+_LOCAL_PROXY_CHECK_TIMEOUTS_S = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 60.0,
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": 60.0,
+}
+
+
 def start_ray(options: ServeOptions, num_models: int = 1) -> None:
     """Join the cluster at ray_address, or start a local instance with enough CPUs for the
     replicas (oversubscribing a small machine rather than leaving replicas unscheduled). A local
@@ -138,6 +149,8 @@ def start_ray(options: ServeOptions, num_models: int = 1) -> None:
             cpus,
         )
     _reaper.append(start_reaper())
+    for key, seconds in _LOCAL_PROXY_CHECK_TIMEOUTS_S.items():  # the user's own setting wins
+        os.environ.setdefault(key, str(seconds))
     ray.init(num_cpus=max(cpus, wanted), include_dashboard=False)
 
 

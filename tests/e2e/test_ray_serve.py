@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from server_harness import free_port  # noqa: E402
-from waiting import wait_until  # noqa: E402
+from waiting import scaled, wait_until  # noqa: E402
 
 from ifb import LLM  # noqa: E402
 from ifb.ray_serve.deploy import ServeOptions, serve_engine, serve_models, shutdown  # noqa: E402
@@ -217,7 +217,7 @@ def test_killed_replica_fails_only_its_requests_and_is_replaced(base_url: str) -
         )
         victim, report = next(iter(sorted(health(base_url)["replicas"].items())))
         os.kill(report["pid"], signal.SIGKILL)
-        outcomes = [f.result(timeout=90) for f in futures]
+        outcomes = [f.result(timeout=scaled(90)) for f in futures]
     assert "error" in outcomes and "done" in outcomes, outcomes
     for i in range(4):
         assert complete(base_url, [90 + i, 91, 92]).status_code == 200
