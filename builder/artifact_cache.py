@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ifb.builder.cost_model_cache import cache_root
+from ifb.runtime.step_budget.cost_model_cache import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -58,6 +58,7 @@ BUILDER_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUILD_STAGES = ("read", "pack", "compile", "write", "calibrate")
+CALIBRATION_CHOICES = ("auto", "build", "serve")
 __all__ = [
     "COMPUTE_CHOICES",
     "KV_DTYPE_CHOICES",
@@ -120,9 +121,17 @@ class BuildOptions:
     cache: bool = option(
         True,
         "Reuse what this machine already made for an engine of the same shapes, formats, limits, ISA and "
-        "versions: the step cost model (builder/cost_model_cache.py) instead of timing the engine again, and a "
+        "versions: the step cost model (step_budget/cost_model_cache.py) instead of timing the engine again, and a "
         "block engine's compiled kernels and step (builder/artifact_cache.py) instead of compiling them again; "
         "--no-cache times and compiles anew (and stores the results).",
+    )
+    calibration: str = option(
+        "auto",
+        "When the step cost model is timed if this machine stored none for the engine's shape: build = as the "
+        "build's last phase, into engine.json; serve = not in the build: the server starts at once with a "
+        "conservative step budget, times the engine in its idle turns and stores the fit; auto = build for "
+        "`ifb build`, serve for `ifb run SOURCE` and LLM(SOURCE) (their first token does not wait for it).",
+        choices=CALIBRATION_CHOICES,
     )
 
     def __post_init__(self) -> None:  # accept the backend's string value from CLIs and callers
@@ -142,6 +151,7 @@ class BuildSummary:
     stage_seconds: dict[str, float]
     stage_peak_bytes: dict[str, int]  # each phase's own peak resident memory (build_clock.py)
     weight_compute: str
+    cost_model: str = "none"  # engine.json's build.cost_model: measured, reused, pending (timed when serving), none
 
 
 def _convert(
@@ -275,8 +285,10 @@ def build_engine(
             clock.stop()
             return _build_info(clock, compiled)
 
-        # records the calibration's time and peak too
-        calibrate_engine_folder(folder, measured_build_info, reuse=options.cache)
+        # records the calibration's time and peak too; `serve` leaves a shape never timed here to the server
+        defer = options.calibration == "serve"
+        calibrate_engine_folder(folder, measured_build_info, reuse=options.cache, defer=defer)
+        cost_model = EngineConfig.load(folder, verify=False).build_info.get("cost_model", "none")
         artifact_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     return BuildSummary(
         output=output,
@@ -290,6 +302,7 @@ def build_engine(
         stage_seconds=clock.seconds,
         stage_peak_bytes=clock.peak_bytes,
         weight_compute=config.weight_compute.value,
+        cost_model=cost_model,
     )
 
 

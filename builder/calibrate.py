@@ -1,8 +1,9 @@
 """The build's last stage: time the engine just written and record its step cost model.
 
-The timing loop and the fit belong to the runtime (runtime/step/calibration.py), so `ifb run
---calibrate` can redo them without the builder; this file only loads the staged engine, runs
-them, and re-writes engine.json (which is not among the hashed artifacts, so the hashes stay valid).
+The timing loop and the fit belong to the runtime (runtime/step_budget/calibration.py), so `ifb run
+--calibrate` and the server's idle turns can redo them without the builder; this file only loads the
+staged engine, runs them (or, deferred, leaves them to the server), and re-writes engine.json (which
+is not among the hashed artifacts, so the hashes stay valid).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ifb.builder.cost_model_cache import CostModelCache, CostModelKey
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.errors import EngineFormatError
 from ifb.runtime.step.engine import Engine
 from ifb.runtime.step_budget.calibration import NOISY_FIT, calibrate
 from ifb.runtime.step_budget.cost_model import StepCostModel
+from ifb.runtime.step_budget.cost_model_cache import CostModelCache, CostModelKey
 from ifb.runtime.step_budget.expert_reads import ExpertRouting
 
 logger = logging.getLogger(__name__)
@@ -29,12 +30,15 @@ def calibrate_engine_folder(
     build_info: Callable[[], dict[str, Any]],
     reuse: bool = True,
     cache: CostModelCache | None = None,
+    defer: bool = False,
 ) -> StepCostModel | None:
     """Record the cost model in `folder`'s engine.json, with `build_info()` as taken once it is
     measured (so the record holds the calibration's own time and peak memory); None (and a
     warning) if this machine cannot run the engine (a TensorRT engine built without a usable GPU).
-    With `reuse`, a fit this machine stored for the same key (builder/cost_model_cache.py) is taken
-    instead of timing; a new fit is stored either way unless it is noisy (NOISY_FIT: a busy machine)."""
+    With `reuse`, a fit this machine stored for the same key (runtime/step_budget/cost_model_cache.py) is taken
+    instead of timing; a new fit is stored either way unless it is noisy (NOISY_FIT: a busy machine).
+    With `defer` and no stored fit, nothing is timed: engine.json says `pending` and the server times
+    the engine in its idle turns (runtime/step_budget/idle_calibration.py), storing the fit here."""
     config = EngineConfig.load(folder, verify=False)  # hashed a moment ago by the writer
     cache = cache if cache is not None else CostModelCache()
     key = CostModelKey.of(config.to_json(), config.builder_version)
@@ -50,6 +54,10 @@ def calibrate_engine_folder(
         info = {**build_info(), "cost_model": "reused"}
         dataclasses.replace(config, cost_model=stored, build_info=info).write(folder)
         return stored
+    if defer:
+        logger.info("no stored step cost model for key %s: the server times the engine when idle", key.digest[:12])
+        dataclasses.replace(config, build_info={**build_info(), "cost_model": "pending"}).write(folder)
+        return None
     try:
         engine = Engine(config)
     except EngineFormatError as error:

@@ -14,6 +14,13 @@ from ifb.builder.sources import resolve_source
 from ifb.cli.field_options import field_options, from_params
 from ifb.find_or_build import DEFAULT_ENGINES_DIR, engine_name
 
+_COST_MODEL_WORDS = {
+    "measured": "measured in the calibrate phase (and stored for this machine)",
+    "reused": "reused: this machine stored a fit for this shape",
+    "pending": "pending: the server serves with a conservative budget and times the engine when idle",
+    "none": "none: this machine cannot run the engine",
+}
+
 
 def format_summary(summary: BuildSummary) -> str:
     limits = summary.limits
@@ -33,6 +40,7 @@ def format_summary(summary: BuildSummary) -> str:
             f"artifacts     {summary.artifact_bytes / 2**20:.1f} MiB",
             f"build time    {summary.seconds:.1f}s, peak memory {peak / 2**30:.2f} GiB",
             f"phases        {stages} (time / peak resident memory)",
+            f"cost model    {_COST_MODEL_WORDS.get(summary.cost_model, summary.cost_model)}",
         ]
     )
 

@@ -9,6 +9,7 @@ same source is ignored (an engine runs native code; see the README's security no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -126,6 +127,8 @@ def find_or_build_engine(
                 return candidate
     output = engines_dir / engine_name(source, options)
     logger.info("no engine under %s matches %s; building %s", engines_dir, source.name, output)
+    if options.calibration == "auto":  # the first token does not wait for a calibration (issue #39)
+        options = dataclasses.replace(options, calibration="serve")
     progress_key = str(target)  # the router asks BUILDS by its target (cli/many_models.py)
     try:
         build_in_child_process(target, output, options, on_stage=BUILDS.on_stage(progress_key))

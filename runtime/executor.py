@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -93,6 +93,12 @@ class _Refused:
     """A caller was turned away by the admission gate: counted here, the counters' one writer."""
 
 
+class IdleWork(Protocol):
+    def step(self) -> bool:
+        """One engine step of background work on this executor's engine; True while more remains."""
+        ...
+
+
 class Executor:
     def __init__(
         self,
@@ -125,6 +131,9 @@ class Executor:
         self.finish_listeners: list[Callable[[Request], None]] = []
         self._last_summary = time.monotonic()
         self._tokens_since_summary = 0
+        # Background work run only in the loop host's idle turns (the step cost model timed on this
+        # engine where none is stored: step_budget/idle_calibration.py); None when there is none.
+        self.idle_work: IdleWork | None = None
 
     # -- any thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -189,6 +198,20 @@ class Executor:
             self._fatal_error = repr(error)
             logger.exception("executor loop died")
             raise
+
+    def idle_turn(self) -> bool:
+        """One step of the idle work, when every loaded model is idle (loop_host.py). A failure
+        drops the work, logged once; the loop serves on without it."""
+        work = self.idle_work
+        if work is None or self._stopping.is_set():
+            return False
+        try:
+            if not work.step():
+                self.idle_work = None
+        except Exception:
+            logger.exception("idle work failed; dropping it")
+            self.idle_work = None
+        return True
 
     def close(self) -> None:
         """After the last turn (the loop host calls it on a thread of its own)."""

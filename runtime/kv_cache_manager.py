@@ -242,6 +242,23 @@ class KVCacheManager:
         request.block_ids = []
         request.num_published_blocks = 0
 
+    def lend(self, num_blocks: int) -> list[int]:
+        """Blocks for a step no request owns (calibration in an idle turn: step_budget/idle_calibration.py),
+        taken as an allocation would take them; give them back with `take_back` before the next schedule."""
+        if num_blocks > len(self._free):
+            raise ValueError(f"cannot lend {num_blocks} blocks: {len(self._free)} are free")
+        return [self._pop_free() for _ in range(num_blocks)]
+
+    def take_back(self, block_ids: Iterable[int]) -> None:
+        """Lent blocks return to the free list's head: they hold nothing anyone can reuse, so they
+        go before any cached block."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.block_hash is None, f"block {block_id} was not lent"
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+
     def _release(self, block_id: int) -> None:
         """Drop one reference; the last one puts the block at the free list's tail (evicted last)."""
         block = self.blocks[block_id]

@@ -37,8 +37,16 @@ from ifb.runtime.sampling_params import SamplingParams
 from ifb.runtime.scheduler import Scheduler, SchedulerConfig
 from ifb.runtime.speculation.factory import make_speculation
 from ifb.runtime.step.engine import Engine
-from ifb.runtime.step_budget.budgets import FixedBudget, StepBudget, make_step_budget
+from ifb.runtime.step_budget.budgets import (
+    ConservativeBudget,
+    CostModelSource,
+    FixedBudget,
+    StepBudget,
+    make_step_budget,
+)
 from ifb.runtime.step_budget.cost_model import StepCostModel
+from ifb.runtime.step_budget.idle_calibration import IdleCalibrator
+from ifb.runtime.step_budget.serving_cost_model import CostModelInfoCollector, ServingCostModel
 from ifb.runtime.trace import TraceRecorder
 from ifb.runtime.windowed_kv_cache_manager import make_kv_cache_manager
 
@@ -50,11 +58,13 @@ class LLM(FrontendClient):
     def __init__(self, engine: str | Path, settings: RuntimeSettings | None = None, **overrides: Any) -> None:
         """`engine` is an engine folder; `overrides` are RuntimeSettings fields by name."""
         super().__init__(engine, dataclasses.replace(settings or RuntimeSettings(), **overrides))
+        self.cost_model = ServingCostModel(self.engine_config, self.config.calibrate)
         self.executor = Executor(
             self._load_engine, self._make_scheduler(), self.tokenizer, queue_timeout_s=self.config.queue_timeout
         )
         self.channel = RequestChannel(self.executor, self.capacity)
         self.metrics = Metrics(self.executor)
+        self.metrics.registry.register(CostModelInfoCollector(self.cost_model))
         self._drain = DrainRate()
         self.executor.finish_listeners.append(lambda request: self._drain.record_finish())
         self._trace = TraceRecorder.attach(self.executor) if self.settings.trace is not None else None
@@ -80,8 +90,15 @@ class LLM(FrontendClient):
             config.num_kv_blocks, limits.block_size, config.enable_prefix_reuse, self.frontend.kv_window
         )
         # With --calibrate the budget is made once the engine is measured (_load_engine); until
-        # then no step runs, so the fixed budget never schedules one.
-        budget = FixedBudget() if config.calibrate else self._step_budget(self.engine_config.cost_model)
+        # then no step runs, so the fixed budget never schedules one. Without a cost model the
+        # conservative budget serves until idle turns have timed one (serving_cost_model.py).
+        model = self.cost_model.model
+        if config.calibrate:
+            budget: StepBudget = FixedBudget()
+        elif model is None:
+            budget = ConservativeBudget(config.max_num_tokens, limits.block_size)
+        else:
+            budget = self._step_budget(model)
         return Scheduler(
             SchedulerConfig(config.max_batch_size, config.max_num_tokens, limits.max_seq_len, limits.max_batch_size),
             kv,
@@ -113,7 +130,13 @@ class LLM(FrontendClient):
         if self.config.calibrate:
             from ifb.runtime.step_budget.calibration import calibrate
 
-            self.executor.scheduler.step_budget = self._step_budget(calibrate(engine))
+            self._use_measured(calibrate(engine), CostModelSource.CALIBRATED_AT_START)
+        elif self.cost_model.model is None:  # timed in the loop host's idle turns, then swapped in
+            self.executor.idle_work = IdleCalibrator(
+                engine,
+                self.executor.scheduler.kv,
+                lambda model: self._use_measured(model, CostModelSource.CALIBRATED_IDLE),
+            )
         # What is loaded by now lives as long as the process; frozen, it is out of the cyclic
         # collector's reach. Unfrozen, a full collection traversed ~220k objects of a loaded 1B
         # engine in 120 ms, holding the GIL the step loop needs between steps (an inter-token stall).
@@ -121,6 +144,11 @@ class LLM(FrontendClient):
         gc.freeze()
         _FROZEN.add(self)
         return engine
+
+    def _use_measured(self, model: StepCostModel, source: CostModelSource) -> None:
+        """On the executor's thread, between steps: the budget sizes steps with `model` from now on."""
+        self.cost_model.measured(model, source)
+        self.executor.scheduler.step_budget = self._step_budget(model)
 
     @property
     def engine(self) -> Engine:
@@ -221,6 +249,7 @@ class LLM(FrontendClient):
         health = self.health()
         budget = self.executor.scheduler.step_budget.report()
         body = health_body(self.model_name, health, self.stats(), self.engine_config, self.config, budget)
+        body["step_budget"]["cost_model_source"] = self.cost_model.source.value
         return HealthReport(health.ok, body)
 
     def metrics_text(self) -> bytes:

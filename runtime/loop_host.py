@@ -14,6 +14,10 @@ beside the others' steps and leaves nothing behind.
 Fairness: a rotation gives each loop one turn, at most one step, so busy models alternate step
 by step (a long prefill step of one model delays the other's next token by that step). A step
 that hangs holds every model; the hanging model's watchdog reports it (/health: stuck).
+
+Idle work (a cost model timed on the serving engine, step_budget/idle_calibration.py) gets a turn
+only after a rotation in which no loop stepped or had work waiting, one loop's one step at a time,
+and the next rotation checks every inbox first: a request arriving waits for at most that step.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class HostedLoop(Protocol):
         """One iteration on the host thread; an exception ends this loop only."""
         ...
 
+    def idle_turn(self) -> bool:
+        """One step of background work while every loop is idle; False if it has none."""
+        ...
+
     def close(self) -> None:
         """After its last turn, on a thread of its own: ending requests and flushing the KV
         pool's cached blocks to disk can take seconds the other loops' steps must not wait."""
@@ -65,6 +73,7 @@ class LoopHost:
         self._hosted: list[_Hosted] = []
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._next_idle = 0  # whose idle work goes first: loops take turns at it too
 
     def attach(self, loop: HostedLoop) -> Future[None]:
         """Run `loop`'s turns on the host thread from now on; the future ends with the loop
@@ -93,6 +102,9 @@ class LoopHost:
             turns = [self._turn(h) for h in hosted]
             if Turn.STEPPED in turns:
                 continue
+            idle = [h for h, turn in zip(hosted, turns, strict=True) if turn is Turn.IDLE]
+            if Turn.WAITING not in turns and self._idle_turn(idle):
+                continue
             self._wake.wait(_WAITING_POLL_S if Turn.WAITING in turns else _IDLE_POLL_S)
 
     def _turn(self, hosted: _Hosted) -> Turn:
@@ -104,6 +116,15 @@ class LoopHost:
         if turn is Turn.ENDED:
             self._end(hosted, None)
         return turn
+
+    def _idle_turn(self, hosted: list[_Hosted]) -> bool:
+        """The first idle loop from `_next_idle` on with idle work runs one step of it."""
+        for offset in range(len(hosted)):
+            index = (self._next_idle + offset) % len(hosted)
+            if hosted[index].loop.idle_turn():
+                self._next_idle = index + 1
+                return True
+        return False
 
     def _end(self, hosted: _Hosted, error: BaseException | None) -> None:
         with self._lock:

@@ -122,8 +122,10 @@ class RuntimeSettings:
     )
     calibrate: bool = option(
         False,
-        "Re-measure the step cost model on this machine at start (a few seconds) instead of using the one "
-        "ifb build recorded in engine.json.",
+        "Re-measure the step cost model on this machine at start, before serving (seconds to minutes), instead "
+        "of using engine.json's or the one this machine stored for the engine's shape; the new fit is stored. "
+        "Without it, an engine with neither serves at once with a conservative step budget and is timed in "
+        "the server's idle turns.",
     )
     trace: str | None = option(
         None,
@@ -313,19 +315,14 @@ def check_minimums(settings: RuntimeSettings) -> None:
 
 def check_first_token_target(engine: EngineConfig, settings: RuntimeSettings) -> None:
     """A ttft target only grows a step's prompt chunk past the inter-token target's, so without
-    an inter-token target (0, or the default on an engine without a cost model) it would do
-    nothing: refused, not ignored."""
+    an inter-token target (0) it would do nothing: refused, not ignored. An engine without a cost
+    model serves conservatively until idle turns have timed one; the targets apply from then on."""
     ttft, itl = settings.ttft_target_ms, settings.itl_target_ms
     if not ttft:  # None (the default follows the inter-token target) or 0 (off)
         return
-    if itl == 0:
-        reason = "--itl-target-ms (itl_target_ms) 0 turns it off, so every step may already take max_num_tokens"
-    elif itl is None and engine.cost_model is None and not settings.calibrate:
-        reason = (
-            "this engine has no step cost model, so --itl-target-ms (itl_target_ms) has no default; add --calibrate"
-        )
-    else:
+    if itl != 0:  # an engine without a cost model gets one in idle turns (step_budget/idle_calibration.py)
         return
+    reason = "--itl-target-ms (itl_target_ms) 0 turns it off, so every step may already take max_num_tokens"
     raise LimitExceededError(
         f"--ttft-target-ms (ttft_target_ms) {ttft:g} needs an inter-token target: {reason}; "
         "drop --ttft-target-ms or give --itl-target-ms a target in ms"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Step cost models reused between builds (builder/cost_model_cache.py) are this session's own:
+# Step cost models reused between builds (runtime/step_budget/cost_model_cache.py) are this session's own:
 # never read from a developer's cache, never left in it.
 os.environ["IFB_CACHE_DIR"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="ifb-test-cache-")
 atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)

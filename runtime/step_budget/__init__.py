@@ -8,4 +8,7 @@ inter-token target (docs/design.md §5.6, §6).
     time_correction.py  the measured/predicted ratio learned while serving
     calibration.py      timing steps of known shape on an engine and fitting the cost model (torch:
                         imported only by what runs an engine, never by the scheduling side)
+    idle_calibration.py the same points timed one step per idle turn of a serving engine
+    cost_model_cache.py the fits this machine measured, by what step time depends on
+    serving_cost_model.py which model a loaded engine starts with (engine.json, stored, pending)
 """

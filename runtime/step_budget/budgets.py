@@ -1,7 +1,8 @@
 """Step budgets: how many prefill tokens a step may take beside the decodes it already holds.
 
 `FixedBudget` gives prefill whatever the decodes leave of max_num_tokens (the engine's limit).
-`LatencyTargetBudget` gives the largest chunk whose predicted step time stays within an
+`ConservativeBudget` serves an engine whose cost model is still being timed in idle turns
+(idle_calibration.py) until the fit replaces it. `LatencyTargetBudget` gives the largest chunk whose predicted step time stays within an
 inter-token target, and at least one block so every prompt keeps moving (see
 docs/design.md §5.6, §6). `RelativeTargetBudget` (the default) does the same with a target of a few
 times this step's own decode time, so the worst gap stays a fixed multiple of the typical one at
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 from ifb.runtime.errors import LimitExceededError
@@ -36,6 +38,20 @@ DEFAULT_TARGET_DECODE_MULTIPLE = 2.5
 # the corrected prediction's ~10% scatter room under 3 x 34 ms and still reads as smooth streaming.
 DEFAULT_TARGET_FLOOR_MS = 80.0
 DEFAULT_TARGET_CONTEXT = 256  # a typical chat turn's context (for the absolute figure /health shows)
+# Without a cost model a chunk beside decodes is capped at this share of max_num_tokens: a long
+# prompt then stalls the streams by about a quarter of a full step instead of all of it, and the
+# cap lasts only until the idle-time fit arrives (tens of seconds of idleness).
+CONSERVATIVE_CHUNK_SHARE = 0.25
+
+
+class CostModelSource(str, Enum):
+    """Where the cost model the budget uses came from (/health, /metrics, the load's log line)."""
+
+    ENGINE = "engine"  # engine.json's, measured or reused by the build
+    STORED = "stored"  # this machine's fit for the engine's key (cost_model_cache.py), found at load
+    PENDING = "pending"  # none yet: a conservative budget while idle turns time the engine
+    CALIBRATED_IDLE = "calibrated_idle"  # timed in the server's idle turns (then stored)
+    CALIBRATED_AT_START = "calibrated_at_start"  # `--calibrate`: timed before serving (then stored)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +123,33 @@ class FixedBudget:
 
     def report(self) -> StepBudgetReport:
         return StepBudgetReport(cost_model=self.cost_model)
+
+
+class ConservativeBudget:
+    """While the cost model is timed in idle turns: a step without decodes takes all the prefill
+    it can (it streams to nobody); beside decodes a chunk is at most CONSERVATIVE_CHUNK_SHARE of
+    max_num_tokens, in whole blocks (at least one)."""
+
+    def __init__(self, max_num_tokens: int, block_size: int) -> None:
+        share = int(max_num_tokens * CONSERVATIVE_CHUNK_SHARE) // block_size * block_size
+        self.max_chunk_tokens = max(block_size, share)
+
+    def prefill_token_budget(
+        self, token_budget: int, decode: StepShape, prefill_start: int, pending: Sequence[PendingPrompt] = ()
+    ) -> int:
+        return token_budget if decode.num_decode_rows == 0 else min(token_budget, self.max_chunk_tokens)
+
+    def predict_ms(self, shape: StepShape) -> float | None:
+        return None
+
+    def step_target_ms(self, shape: StepShape) -> float | None:
+        return None
+
+    def observe_step(self, predicted_ms: float, measured_ms: float, has_prefill: bool) -> None:
+        return None
+
+    def report(self) -> StepBudgetReport:
+        return StepBudgetReport()
 
 
 class _CorrectedTarget:

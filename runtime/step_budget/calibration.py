@@ -1,7 +1,9 @@
 """Calibration: time a handful of engine steps of known shape and fit the StepCostModel.
 
-Run by `ifb build` at the end of a build (builder/calibrate.py) and by `ifb run --calibrate` at
-start, on the executor's own engine and thread before its loop starts (runtime/llm.py). The points span the engine's limits: decode-only
+Run by `ifb build` at the end of a build (builder/calibrate.py), by `ifb run --calibrate` at
+start, on the executor's own engine and thread before its loop starts (runtime/llm.py), and one
+step at a time in the server's idle turns where no fit is stored (idle_calibration.py, which lends
+the points their KV blocks from the scheduler's pool). The points span the engine's limits: decode-only
 steps (few / all rows, short / long context), prefill-only chunks (small / full, at the start
 and deep into a prompt) and a mixed step. The KV it writes is garbage over blocks nobody owns
 yet, so it must run before any request does.
@@ -37,9 +39,9 @@ logger = logging.getLogger(__name__)
 # process on a shared 2-core machine slows at random (tiny engine, 5 repeats, load ~2: one fit
 # put the prefill-token cost at 0); two for a ~1 s full-size prefill (SmolLM2 fp32), so a
 # calibration stays near 15 s on a quiet machine (77 s measured at load 4-5, every step ~5x slower).
-_MIN_REPEATS = 2
-_MAX_REPEATS = 25
-_POINT_BUDGET_S = 0.5
+MIN_REPEATS = 2
+MAX_REPEATS = 25
+POINT_BUDGET_S = 0.5
 NOISY_FIT = 0.5  # worst relative error of the fit above which the log says so
 # 512 MiB: far past any last-level cache (32 MiB per EPYC CCD, 105 MiB on a Sapphire Rapids
 # socket), so context reads are timed from DRAM as when serving; well inside a build's budget of
@@ -67,15 +69,16 @@ class CalibrationPoint:
         )
 
 
-def calibration_points(engine: Engine) -> list[CalibrationPoint]:
-    """About a dozen shapes inside the engine's limits (see the module docstring)."""
+def calibration_points(engine: Engine, max_blocks: int | None = None) -> list[CalibrationPoint]:
+    """About a dozen shapes inside the engine's limits (see the module docstring), reading at
+    most `max_blocks` distinct KV blocks (default: calibration_blocks)."""
     limits = engine.config.limits
     tokens, batch, block = limits.max_num_tokens, limits.max_batch_size, limits.block_size
     short = block
     deep = max(block, min(limits.max_seq_len // 2, limits.max_seq_len - tokens) // block * block)
     chunks = sorted({max(2, tokens // 8), max(2, tokens // 2), tokens})
     rows = sorted({1, max(1, batch // 4), batch} | set(expert_rows(engine_routing(engine), batch)))
-    blocks = calibration_blocks(engine)
+    blocks = calibration_blocks(engine, max_blocks)
     points = [
         CalibrationPoint(num_decode_rows=d, decode_context=min(c, max(block, blocks // d * block)))
         for d in rows
@@ -106,19 +109,21 @@ def expert_rows(routing: ExpertRouting, batch: int) -> list[int]:
     return sizes
 
 
-def calibration_blocks(engine: Engine) -> int:
-    """How many KV blocks calibration may write: the pool, up to KV_CALIBRATION_BYTES of it."""
+def calibration_blocks(engine: Engine, max_blocks: int | None = None) -> int:
+    """How many KV blocks calibration may write: the pool (or `max_blocks` of it), up to
+    KV_CALIBRATION_BYTES."""
     config = engine.config
     block_bytes = kv_bytes_per_block(config.spec, config.limits.block_size, config.kv_dtype)
-    return max(1, min(config.limits.num_kv_blocks, KV_CALIBRATION_BYTES // block_bytes))
+    pool = config.limits.num_kv_blocks if max_blocks is None else min(max_blocks, config.limits.num_kv_blocks)
+    return max(1, min(pool, KV_CALIBRATION_BYTES // block_bytes))
 
 
-def _slices(engine: Engine, point: CalibrationPoint) -> list[RequestSlice]:
-    """Block ids wrap around the calibration's part of the pool: distinct where it allows, so
-    decodes read distinct KV."""
+def point_slices(engine: Engine, point: CalibrationPoint, max_blocks: int | None = None) -> list[RequestSlice]:
+    """The point's step as request slices over block ids 0..calibration_blocks-1, which wrap around
+    the calibration's part of the pool: distinct where it allows, so decodes read distinct KV."""
     limits = engine.config.limits
     vocab = engine.config.spec.vocab_size
-    blocks = calibration_blocks(engine)
+    blocks = calibration_blocks(engine, max_blocks)
     next_block = 0
 
     def table(num_tokens: int) -> list[int]:
@@ -142,11 +147,11 @@ def _slices(engine: Engine, point: CalibrationPoint) -> list[RequestSlice]:
 
 def time_step_ms(engine: Engine, point: CalibrationPoint) -> float:
     """Median of a few runs of one step (after one untimed run of the same shape)."""
-    inputs = build_step_inputs(_slices(engine, point), engine.config.limits.block_size)
+    inputs = build_step_inputs(point_slices(engine, point), engine.config.limits.block_size)
     engine.step(inputs)
     times: list[float] = []
     started = time.perf_counter()
-    while len(times) < _MAX_REPEATS and (len(times) < _MIN_REPEATS or time.perf_counter() - started < _POINT_BUDGET_S):
+    while len(times) < MAX_REPEATS and (len(times) < MIN_REPEATS or time.perf_counter() - started < POINT_BUDGET_S):
         begin = time.perf_counter()
         engine.step(inputs)
         times.append(1000 * (time.perf_counter() - begin))
@@ -157,6 +162,11 @@ def calibrate(engine: Engine) -> StepCostModel:
     """Time `calibration_points(engine)` and fit the cost model to them."""
     started = time.perf_counter()
     samples = [(point.shape, time_step_ms(engine, point)) for point in calibration_points(engine)]
+    return fit_samples(engine, samples, time.perf_counter() - started)
+
+
+def fit_samples(engine: Engine, samples: list[tuple[StepShape, float]], seconds: float) -> StepCostModel:
+    """The cost model of the timed points, logged (and a warning where it fits badly)."""
     model = StepCostModel.fit(samples, engine_routing(engine))
     if model.max_relative_error > NOISY_FIT:
         logger.warning(
@@ -167,7 +177,7 @@ def calibrate(engine: Engine) -> StepCostModel:
     logger.info(
         "calibrated the step cost in %.1f s over %d shapes: %.2f ms + %.4f ms/prefill token + %.3f ms/decode row "
         "+ %.3f ms/expert read (worst fit error %.0f%%)",
-        time.perf_counter() - started,
+        seconds,
         len(samples),
         model.base_ms,
         model.per_prefill_token_ms,

@@ -88,6 +88,7 @@ def test_a_latency_target_serves_the_same_greedy_tokens(tiny_llama_engine: Path,
             "measured_over_predicted": round(budget.correction.ratio, 3),
             # the default is derived from the cost model (at least 1 s); LLM(ttft_target_ms=...) sets it
             "ttft_target_ms": 2500.0 if ttft else default_ttft_target_ms(cost_model, 8, 64),
+            "cost_model_source": "engine",  # engine.json's (serving_cost_model.py)
         }
         # the chunked steps were observed: the ratio moved off its 1.0 prior, within its clamp
         assert budget.correction.num_observed > 0 and 0.5 <= budget.correction.ratio <= 2.0

@@ -1,4 +1,4 @@
-"""The step cost model cache (builder/cost_model_cache.py): a build reuses the fit this machine
+"""The step cost model cache (runtime/step_budget/cost_model_cache.py): a build reuses the fit this machine
 measured for the same key, misses on anything the timing depends on, survives corrupt entries and
 concurrent writers, and stays bounded; `--no-cache` times the engine again."""
 
@@ -19,7 +19,7 @@ from tiny_models import TINY_LIMITS
 from ifb.builder import calibrate as calibrate_module
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.calibrate import calibrate_engine_folder
-from ifb.builder.cost_model_cache import CostModelCache, CostModelKey
+from ifb.runtime.step_budget.cost_model_cache import CostModelCache, CostModelKey
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step_budget.calibration import NOISY_FIT
 from ifb.runtime.step_budget.cost_model import StepCostModel
@@ -112,7 +112,7 @@ def test_a_damaged_entry_is_a_miss_with_a_warning_and_is_replaced(
         path.write_text(json.dumps(entry))
     else:
         path.write_text(path.read_text()[:40])
-    with caplog.at_level(logging.WARNING, logger="ifb.builder.cost_model_cache"):
+    with caplog.at_level(logging.WARNING, logger="ifb.runtime.step_budget.cost_model_cache"):
         assert cache.get(key()) is None
     assert "unusable" in caplog.text
     cache.put(key(), MODEL)

@@ -70,12 +70,16 @@ def install(engines: Path, name: str, record: dict[str, Any] | str, built: bool 
     return folder
 
 
+requested: list[BuildOptions] = []  # what each fake build was asked for, in order
+
+
 @pytest.fixture
 def builds(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Where find_or_build would build (the build itself replaced by writing a recorded engine)."""
     outputs: list[Path] = []
 
     def fake_build(target: Any, output: Path, request: BuildOptions, **_: object) -> None:
+        requested.append(request)
         output.mkdir(parents=True)
         record = engine_for(Path(target), request, build_id=f"new-{len(outputs)}").to_json()
         (output / ENGINE_JSON).write_text(json.dumps(record))
@@ -83,6 +87,17 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     monkeypatch.setattr(find_or_build, "build_in_child_process", fake_build)
     return outputs
+
+
+def test_a_build_for_a_source_leaves_calibration_to_the_server(
+    checkpoint: Path, tmp_path: Path, builds: list[Path]
+) -> None:
+    """`ifb run SOURCE` / LLM(SOURCE): the build does not time the engine (calibration auto -> serve,
+    issue #39: the first token waits for no calibration); an explicit choice is kept."""
+    requested.clear()
+    find(checkpoint, tmp_path / "a", options())
+    find(checkpoint, tmp_path / "b", options(calibration="build"))
+    assert [r.calibration for r in requested] == ["serve", "build"]
 
 
 def find(checkpoint: Path, engines: Path, request: BuildOptions) -> Path:

@@ -18,9 +18,9 @@ from ifb.runtime.engine_format import EngineLimits, kv_bytes_per_block
 from ifb.runtime.step.kv_pool import engine_kv_pool, zeroed_pool
 from ifb.runtime.step_budget.calibration import (
     KV_CALIBRATION_BYTES,
-    _slices,
     calibration_blocks,
     calibration_points,
+    point_slices,
 )
 
 POOL_BYTES = 512 * 2**20
@@ -70,7 +70,7 @@ def test_calibration_writes_at_most_its_bound_of_a_large_pool() -> None:
     assert calibration_blocks(engine) * block_bytes <= KV_CALIBRATION_BYTES
     used: set[int] = set()
     for point in calibration_points(engine):
-        slices = _slices(engine, point)
+        slices = point_slices(engine, point)
         for request in slices:
             used.update(request.block_table)
         decode_ids = [block for s in slices if len(s.token_ids) == 1 for block in s.block_table]

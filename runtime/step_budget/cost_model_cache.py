@@ -11,7 +11,9 @@ the KV pool's size are not in it: they change no step's cost, only how deep a co
 may time (runtime/step_budget/calibration.py: `deep`, `calibration_blocks`), so a fit timed with both at
 least as large serves (the timed contexts cover the engine's), and a deeper engine times again and
 replaces the entry. `ifb build --no-cache` times again (and stores the new fit); `ifb run --calibrate`
-re-measures at start as before.
+re-measures at start and stores its fit; a server whose engine has no fit here times it in its idle
+turns and stores it (serving_cost_model.py). The runtime owns this store because the server reads and
+writes it; the builder uses it through builder/calibrate.py.
 
 Entries are one JSON file each, written to a temporary name and renamed into place (two builds
 writing the same key leave one whole entry), carry a sha256 of their cost model that is checked on
