@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -98,6 +99,12 @@ MODELS = {
     "1b-q4km": ("1b", "Q4_K_M", False),
     "1b-q4_0": ("1b", "Q4_0", False),
     "8b-q4km": ("8b", "Q4_K_M", False),
+    # mixtures of experts, random valid blocks written directly (bench/moe_synth.py): full depth for
+    # the memory rows, 12 of 48 / 6 of 24 layers for the speed rows
+    "qwen3moe-30b-a3b-q4km": ("moe", "Q4_K_M", False),
+    "qwen3moe-30b-a3b-q4km-12l": ("moe", "Q4_K_M", False),
+    "gpt-oss-20b-mxfp4": ("moe", "MXFP4", False),
+    "gpt-oss-20b-mxfp4-6l": ("moe", "MXFP4", False),
 }
 
 
@@ -220,6 +227,20 @@ def ensure_f16(key: str) -> Path:
     return path
 
 
+def write_moe_input(key: str, dst: Path) -> dict[str, object]:
+    """A mixture-of-experts key ("MODEL" or "MODEL-NL" for N of its layers) written by bench/moe_synth.py."""
+    from moe_synth import SHAPES as MOE_SHAPES
+    from moe_synth import write_moe_gguf
+
+    reduced = re.fullmatch(r"(.+)-(\d+)l", key)
+    shape = MOE_SHAPES[reduced.group(1) if reduced else key]
+    layers = int(reduced.group(2)) if reduced else shape.layers
+    print(f"writing {dst.relative_to(ROOT)} ({shape.name}, {layers} layers)", flush=True)
+    info = write_moe_gguf(dst, shape, layers)
+    print(f"  {info}", flush=True)
+    return info
+
+
 def ensure_inputs(models: list[str], threads: int = 2, force: bool = False, keep_f16: bool = False) -> dict[str, Path]:
     """Make (or find) bench/out/byo/<model>.gguf for each model key; returns key -> path."""
     BYO.mkdir(parents=True, exist_ok=True)
@@ -231,7 +252,11 @@ def ensure_inputs(models: list[str], threads: int = 2, force: bool = False, keep
         dst = BYO / f"{key}.gguf"
         if force and dst.is_file():
             dst.unlink()
-        if not dst.is_file():
+        if not dst.is_file() and source == "moe":
+            info = write_moe_input(key, dst)
+            record[key] = {"source": "bench/moe_synth.py", "type": qtype, **info}
+            record_path.write_text(json.dumps(record, indent=2))
+        elif not dst.is_file():
             src = bundled_gguf() if source == "bundled" else ensure_f16(source)
             info = quantize(src, dst, qtype, requant, threads)
             record[key] = {"source": str(src), "type": qtype, **info}

@@ -49,6 +49,7 @@ LLAMA_BIN = LLAMA_DIR / "bin" / "llama-server"
 LLAMA_BUILD_JSON = LLAMA_DIR / "build.json"
 # The cmake targets built and cached in LLAMA_DIR/bin (llama-quantize: bench/byo_gguf.py's inputs).
 LLAMA_TARGETS = ("llama-server", "llama-quantize")
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 # Common English words; with a leading space each is one token for SmolLM2's tokenizer, so a
 # prompt's token count is close to its word count before the exact sizing below.
@@ -91,6 +92,12 @@ def cmake_options(src: Path) -> list[str]:
         "-DLLAMA_BUILD_SERVER=ON",
         "-DGGML_NATIVE=ON",
         "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary to cache
+        # ggml's AMX backend (on by -march=native where the CPU has AMX) crashed llama-server on its
+        # first matmul on the AMX Xeon of 2026-12-04 (SIGSEGV in ggml_backend_amx_mul_mat, even with
+        # the bundled SmolLM2; a tile program of our own ran there): the peer is measured with its
+        # AVX-512/VNNI kernels, the ISA ifb's own kernels use. Explicit -mno-* win over -march=native.
+        f"-DCMAKE_C_FLAGS={NO_AMX}",
+        f"-DCMAKE_CXX_FLAGS={NO_AMX}",
     ]
     for name in ("LLAMA_BUILD_COMMON", "LLAMA_BUILD_TOOLS"):  # the server lives under tools/
         if name in declared:
