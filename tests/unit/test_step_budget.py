@@ -15,6 +15,7 @@ from ifb.runtime.request import Request
 from ifb.runtime.scheduler import Scheduler
 from ifb.runtime.step_budget.budgets import (
     DEFAULT_TARGET_DECODE_MULTIPLE,
+    ConservativeBudget,
     FixedBudget,
     LatencyTargetBudget,
     RelativeTargetBudget,
@@ -291,3 +292,16 @@ def test_the_default_target_follows_the_batch() -> None:
             chunk, decode.num_decode_rows, decode.num_decode_context_tokens, StepShape.prefill_pairs(0, chunk)
         )
         assert MODEL.predict_ms(step) <= 2.5 * MODEL.predict_ms(decode) + 1e-6 or chunk == BLOCK
+
+
+def test_the_conservative_budget_caps_chunks_beside_decodes_only() -> None:
+    """While idle turns time the cost model (step_budget/idle_calibration.py): a step with no
+    decodes takes all the prefill it can; beside decodes a quarter of max_num_tokens in whole blocks,
+    at least one block."""
+    budget = ConservativeBudget(max_num_tokens=512, block_size=BLOCK)
+    decoding = StepShape(num_decode_rows=4, num_decode_context_tokens=400)
+    assert budget.prefill_token_budget(512, StepShape(), 0) == 512
+    assert budget.prefill_token_budget(508, decoding, 0) == 128
+    assert budget.prefill_token_budget(100, decoding, 0) == 100
+    assert ConservativeBudget(max_num_tokens=40, block_size=BLOCK).prefill_token_budget(36, decoding, 0) == BLOCK
+    assert budget.predict_ms(decoding) is None and budget.report().cost_model is None
