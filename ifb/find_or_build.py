@@ -158,5 +158,8 @@ def build_in_child_process(
 def _build(target: str | Path | None, output: Path, options: BuildOptions) -> BuildSummary:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     summary = build_engine(target, output, options, on_stage=report_stage)
-    logger.info("built %s in %.1fs", summary.output, summary.seconds)
+    phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in summary.stage_seconds.items())
+    logger.info(
+        "built %s in %.1fs (%s; step cost model %s)", summary.output, summary.seconds, phases, summary.cost_model
+    )
     return summary
