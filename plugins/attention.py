@@ -187,6 +187,9 @@ def _context_attention_per_row(
     20 two-chunk splits of one prompt, up to 6.3e-5 in a logit; a reused chat prefix moved 2 of
     8 first-token logprobs). Row by row in the kernel's one fixed order, a token's attention is
     the same whether it is prefilled whole, in chunks, after a reused prefix, or decoded.
+    The kernel tiles a request's rows (they share its block table) over shared K/V loads, each
+    row still in decode's order: a 448-token chunk over 1,536 cached tokens read its keys ~2,000
+    times a row before (bench/prefill_attention.py).
     Padded query entries repeat their request's last row and are computed twice, same value.
     """
     rows = layout.context_query_rows.flatten()

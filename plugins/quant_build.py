@@ -29,7 +29,7 @@ from torch.utils import cpp_extension
 
 _CSRC = Path(__file__).parent / "csrc"
 # Torch-free kernel translation units, compiled with the ISA flags.
-KERNEL_SOURCES = ("quant_matmul", "quant_matmul_int8", "paged_decode_attention")
+KERNEL_SOURCES = ("quant_matmul", "quant_matmul_int8", "paged_decode_attention", "paged_prefill_attention")
 # Torch-side translation units (torch headers, no ISA flag): the ops' registrations and C shims.
 BINDING_SOURCES = ("quant_binding", "grouped_experts")
 _REBUILD_HINT = "rebuild the engine on this machine with `ifb build`"

@@ -21,135 +21,18 @@
 // With gpt-oss's attention sinks a head's learned sink logit joins the max and, after the keys'
 // sum, the denominator, and weights no value: one scalar per head and row, still the row's own.
 // These are the fields of one attention contract (the binding's `variant` + `sinks`): a new
-// variant is a field here and a branch in attend_heads, not another op.
+// variant is a field here and a branch in attend_heads and the prefill tile, not another op.
+// Rows that share a block table (a request's prompt chunk) are planned into tiles here and run by
+// paged_prefill_attention.cpp, which loads their K/V once per tile and gives each row these bits.
 #include <algorithm>
 #include <array>
 #include <utility>
-#include <cmath>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
-#include "quant_kernels.h"
-#include "simd16.h"
+#include "paged_attention_rows.h"
 
 namespace ifb_quant {
 namespace {
-
-// A pool row of fp16 or bf16, widened to fp32 (exact).
-inline V load(const uint16_t* p, KvType type) { return type == KvType::kFloat16 ? halves(p) : bfloats(p); }
-
-// exp(x) for x <= 0 (softmax arguments): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
-// polynomial (relative error < 2e-7, a few ulp), times 2^n. Below -87 the result is 0, as
-// expf underflows there anyway.
-inline V exp_nonpositive(V x) {
-  const V clamped = max(x, broadcast(-87.0f));
-  const V n = round_nearest(mul(clamped, broadcast(1.44269504088896341f)));
-  V r = fmadd(n, broadcast(-0.693145751953125f), clamped);  // ln2 split in two for an exact product
-  r = fmadd(n, broadcast(-1.428606765330187e-06f), r);
-  V p = broadcast(1.0f / 720);
-  p = fmadd(p, r, broadcast(1.0f / 120));
-  p = fmadd(p, r, broadcast(1.0f / 24));
-  p = fmadd(p, r, broadcast(1.0f / 6));
-  p = fmadd(p, r, broadcast(0.5f));
-  p = fmadd(p, r, broadcast(1.0f));
-  p = fmadd(p, r, broadcast(1.0f));
-  return mul(p, pow2(n));
-}
-
-// exp(x) for one x <= 0, by the same polynomial as the scores' (a sink's weight).
-inline float exp_of_nonpositive(float x) {
-  float lanes[kLanes];
-  store(lanes, exp_nonpositive(broadcast(x)));
-  return lanes[0];
-}
-
-// The pool slots of a row's consecutive key positions: one table read and division per block, not
-// per key and pass (a 300-token causal prefill, 9 heads of 64 over 3 KV heads, one thread:
-// 1.36 -> 1.17 ms of attention).
-struct SlotCursor {
-  const int64_t* table;
-  int64_t block_size;
-  int64_t position;      // of the next key
-  int64_t slot = 0;      // its pool slot, once `left` > 0
-  int64_t left = 0;      // keys left in the block `slot` is in
-
-  // The next key's slot (the table is read only for blocks a key is taken from).
-  int64_t take() {
-    if (left == 0) {
-      const int64_t offset = position % block_size;
-      slot = table[position / block_size] * block_size + offset;
-      left = block_size - offset;
-    }
-    --left;
-    ++position;
-    return slot++;
-  }
-};
-
-#if defined(IFB_SIMD16_AVX512)
-// The lane sums of 16 vectors (one per key) as one vector, in key order, each added in sum_lanes'
-// order (i + i+8, i + i+4, i + i+2, i + i+1) so the scores keep their bits: a transposed tree of
-// 15 adds instead of 16 separate horizontal sums (each ~6 dependent shuffles and adds), which
-// were half of a key's work in pass 1 at head_dim 64 (with the slot cursor: 1.60 -> 1.17 ms for
-// that prefill's attention, the same bits).
-inline V sum_lanes_each(const V (&d)[kLanes]) {
-  __m512 eighths[8], quarters[4], halves_[2];
-  for (int j = 0; j < 8; ++j) {  // keys 2j, 2j+1: lanes i + i+8
-    const __m512 a = d[2 * j].a, b = d[2 * j + 1].a;
-    eighths[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int j = 0; j < 4; ++j) {  // keys 4j..4j+3, one per 128-bit chunk: i + i+4
-    const __m512 a = eighths[2 * j], b = eighths[2 * j + 1];
-    quarters[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  for (int j = 0; j < 2; ++j) {  // chunk c: keys 8j+c and 8j+4+c, two values each: i + i+2
-    const __m512d a = _mm512_castps_pd(quarters[2 * j]), b = _mm512_castps_pd(quarters[2 * j + 1]);
-    halves_[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // i + i+1: lane 4c + t then holds key c + 4t; the permute puts key k at lane k.
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(halves_[0], halves_[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_ps(halves_[0], halves_[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return {_mm512_permutexvar_ps(key_order, sums)};
-}
-#endif
-
-template <typename T>
-inline V load_kv(const T* p, KvType type) {
-  if constexpr (std::is_same_v<T, float>) {
-    (void)type;
-    return load(p);
-  } else {
-    return load(p, type);
-  }
-}
-
-struct Q8Row {};  // the tag of q8_0 pools' rows
-
-// One head's row of a pool of T (head_dim = 16 * CH): its elements, its width in them, and its
-// 16-lane chunk c as fp32.
-template <typename T, int CH>
-struct Rows {
-  using Elem = T;
-  static constexpr int64_t kWidth = CH * kLanes;
-  static V chunk(const Elem* row, int c, KvType type) { return load_kv(row + c * kLanes, type); }
-};
-
-template <int CH>
-struct Rows<Q8Row, CH> {
-  using Elem = uint8_t;
-  static constexpr int kHeadDim = CH * kLanes;
-  static constexpr int kBlock = kHeadDim < 32 ? kHeadDim : 32;
-  static constexpr int64_t kWidth = kHeadDim + 2 * (kHeadDim / kBlock);  // int8 values, fp16 scales
-  static V chunk(const Elem* row, int c, KvType) {
-    uint16_t scale_bits;
-    std::memcpy(&scale_bits, row + kHeadDim + 2 * (c * kLanes / kBlock), sizeof(scale_bits));
-    return mul(to_float(bytes_signed(row + c * kLanes)), broadcast(_cvtsh_ss(scale_bits)));
-  }
-};
 
 // Heads [head0, head0 + S) of one KV head of one request, head_dim = 16 * CH. The S heads share
 // every K/V load, and their S x CH accumulators are independent FMA chains (S * CH <= 16).
@@ -209,27 +92,12 @@ void attend_heads(const DecodeAttentionProblem& p, int64_t row, int64_t head0, s
       score[g][l] = sum_lanes(dot) * p.scale;
     }
   }
-  if (p.softcap > 0.0f) {
-    for (int g = 0; g < S; ++g)
-      for (int64_t l = 0; l < length; ++l) score[g][l] = p.softcap * std::tanh(score[g][l] / p.softcap);
-  }
+  if (p.softcap > 0.0f)
+    for (int g = 0; g < S; ++g) cap_scores(score[g], length, p.softcap);
 
   float inverse[S];
-  for (int g = 0; g < S; ++g) {
-    for (int64_t l = length; l < padded; ++l) score[g][l] = -INFINITY;
-    V peak = broadcast(-INFINITY);
-    for (int64_t l = 0; l < padded; l += kLanes) peak = max(peak, load(score[g] + l));
-    float top_score = max_lanes(peak);
-    if (p.sinks != nullptr) top_score = std::max(top_score, p.sinks[head0 + g]);
-    const V top = broadcast(top_score);
-    for (int64_t l = 0; l < padded; l += kLanes) store(score[g] + l, exp_nonpositive(sub(load(score[g] + l), top)));
-    std::fill(score[g] + length, score[g] + padded, 0.0f);  // the padding's exp(-87), not 0
-    V total = zero();
-    for (int64_t l = 0; l < padded; l += kLanes) total = add(total, load(score[g] + l));
-    float denominator = sum_lanes(total);
-    if (p.sinks != nullptr) denominator += exp_of_nonpositive(p.sinks[head0 + g] - top_score);
-    inverse[g] = 1.0f / denominator;
-  }
+  for (int g = 0; g < S; ++g)
+    inverse[g] = softmax_in_place(score[g], length, padded, p.sinks == nullptr ? nullptr : p.sinks + head0 + g);
 
   V acc[S][CH];
   for (int g = 0; g < S; ++g)
@@ -257,40 +125,64 @@ constexpr std::array<HeadsFn*, sizeof...(Ss)> heads_table(std::integer_sequence<
 
 // All heads of one (request, KV head) item, in sub-groups of at most 16 / CH heads.
 template <typename T, int CH>
-void attend_item(const DecodeAttentionProblem& p, int64_t item, std::vector<float>& scores) {
+void attend_item(const DecodeAttentionProblem& p, int64_t row, int64_t kv_head, std::vector<float>& scores) {
   constexpr int kMaxHeads = 16 / CH;
   static constexpr auto kKernels = heads_table<T, CH>(std::make_integer_sequence<int, kMaxHeads>{});
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t row = item / p.num_kv_heads;
-  const int64_t first = (item % p.num_kv_heads) * group;
+  const int64_t first = kv_head * group;
   for (int64_t head = first; head < first + group; head += kMaxHeads)
     kKernels[std::min<int64_t>(kMaxHeads, first + group - head) - 1](p, row, head, scores);
 }
 
 template <typename T>
-void run_items(const DecodeAttentionProblem& p, int64_t item_begin, int64_t item_end) {
-  std::vector<float> scores;
-  const int64_t chunks = p.head_dim / kLanes;
-  for (int64_t item = item_begin; item < item_end; ++item) {
-    switch (chunks) {
-      case 1: attend_item<T, 1>(p, item, scores); break;
-      case 2: attend_item<T, 2>(p, item, scores); break;
-      case 4: attend_item<T, 4>(p, item, scores); break;
-      case 8: attend_item<T, 8>(p, item, scores); break;
-      default: attend_item<T, 16>(p, item, scores); break;  // head_dim 256 (checked by the binding)
-    }
+void attend_row(const DecodeAttentionProblem& p, int64_t row, int64_t kv_head, std::vector<float>& scores) {
+  switch (p.head_dim / kLanes) {
+    case 1: attend_item<T, 1>(p, row, kv_head, scores); break;
+    case 2: attend_item<T, 2>(p, row, kv_head, scores); break;
+    case 4: attend_item<T, 4>(p, row, kv_head, scores); break;
+    case 8: attend_item<T, 8>(p, row, kv_head, scores); break;
+    default: attend_item<T, 16>(p, row, kv_head, scores); break;  // head_dim 256 (checked by the binding)
   }
+}
+
+// Two rows may share a tile when they read the same pool slots: the same block table row.
+bool same_table(const DecodeAttentionProblem& p, int64_t a, int64_t b) {
+  return std::equal(p.block_tables + a * p.table_stride, p.block_tables + (a + 1) * p.table_stride,
+                    p.block_tables + b * p.table_stride);
 }
 
 }  // namespace
 
-void run_decode_attention(const DecodeAttentionProblem& problem, int64_t item_begin, int64_t item_end) {
-  if (problem.kv_type == KvType::kFloat32)
-    run_items<float>(problem, item_begin, item_end);
-  else if (problem.kv_type == KvType::kQ8_0)
-    run_items<Q8Row>(problem, item_begin, item_end);
-  else
-    run_items<uint16_t>(problem, item_begin, item_end);
+std::vector<AttentionTile> plan_attention_tiles(const DecodeAttentionProblem& problem) {
+  std::vector<AttentionTile> tiles;
+  for (int64_t row = 0; row < problem.num_rows; ++row) {
+    if (!tiles.empty() && tiles.back().row_end - tiles.back().row_begin < kAttentionTileRows &&
+        same_table(problem, tiles.back().row_begin, row))
+      ++tiles.back().row_end;
+    else
+      tiles.push_back({row, row + 1});
+  }
+  return tiles;
+}
+
+void run_paged_attention_items(const DecodeAttentionProblem& problem, const std::vector<AttentionTile>& tiles,
+                               int64_t item_begin, int64_t item_end) {
+  std::vector<float> scratch;
+  for (int64_t item = item_begin; item < item_end; ++item) {
+    // KV-head-major: a thread's consecutive items are one head's tiles, whose keys (a 1,760-key
+    // context of 64-wide fp32 K and V: 900 KB) stay in L2 from one tile to the next.
+    const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+    const AttentionTile& tile = tiles[item % num_tiles];
+    const int64_t kv_head = item / num_tiles;
+    if (tile.row_end - tile.row_begin > 1)
+      attend_prefill_tile(problem, tile.row_begin, tile.row_end, kv_head, scratch);
+    else if (problem.kv_type == KvType::kFloat32)
+      attend_row<float>(problem, tile.row_begin, kv_head, scratch);
+    else if (problem.kv_type == KvType::kQ8_0)
+      attend_row<Q8Row>(problem, tile.row_begin, kv_head, scratch);
+    else
+      attend_row<uint16_t>(problem, tile.row_begin, kv_head, scratch);
+  }
 }
 
 }  // namespace ifb_quant

@@ -258,8 +258,9 @@ at::Tensor run_paged_attention(const at::Tensor& q, const at::Tensor& k_pool, co
                                        table_data, tables.size(1), length_data, block_size,
                                        static_cast<float>(scale), out.mutable_data_ptr<float>(), variant.window,
                                        static_cast<float>(variant.softcap), sinks};
-  at::parallel_for(0, rows * kv_heads, 1,
-                   [&](int64_t begin, int64_t end) { run_decode_attention(problem, begin, end); });
+  const std::vector<AttentionTile> tiles = plan_attention_tiles(problem);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()) * kv_heads, 1,
+                   [&](int64_t begin, int64_t end) { run_paged_attention_items(problem, tiles, begin, end); });
   return out;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "block_format_table.h"
 
@@ -146,8 +147,21 @@ struct DecodeAttentionProblem {
   const float* sinks = nullptr;
 };
 
-// Items [item_begin, item_end) of num_rows * num_kv_heads (row-major): each computed alone.
-void run_decode_attention(const DecodeAttentionProblem& problem, int64_t item_begin, int64_t item_end);
+// Query rows [row_begin, row_end) that share one block table (a request's rows in a prefill
+// chunk): the kernel reads their keys once for the whole tile, each row's bits as decode's.
+struct AttentionTile {
+  int64_t row_begin;
+  int64_t row_end;
+};
+// Rows per tile at most: a tile's scores (rows x group heads x keys) stay in L2.
+constexpr int64_t kAttentionTileRows = 8;
+
+// The problem's rows as tiles: consecutive rows with the same block table row, in row order.
+std::vector<AttentionTile> plan_attention_tiles(const DecodeAttentionProblem& problem);
+
+// Items [item_begin, item_end) of num_kv_heads * tiles.size() (KV-head-major): each computed alone.
+void run_paged_attention_items(const DecodeAttentionProblem& problem, const std::vector<AttentionTile>& tiles,
+                               int64_t item_begin, int64_t item_end);
 
 // "avx512" or "avx2": the path this library was compiled for.
 const char* isa_name();

@@ -1,0 +1,119 @@
+"""Prefill attention: a chunk over a cached context vs a fresh prompt, row-at-a-time vs tiled.
+
+    .venv/bin/python bench/prefill_attention.py [--shape 1b|smollm2] [--kv-dtype fp32|fp16|bf16|q8_0]
+        [--chunk 448] [--cached 1536] [--repeats 5]
+
+It times `ifb_quant::paged_attention` over one layer's prefill rows, as the engine calls it
+(every query row of a request with the request's block table, seq_len = its position + 1): a
+fresh `--chunk`-token prompt, and a `--chunk`-token chunk after `--cached` cached tokens. Each
+case runs twice, alternated in one process: "rows" gives each row a block table that differs from
+its neighbour's in one unread trailing entry, so the kernel cannot tile them and reads every
+row's keys alone (the decode kernel, as before tiling); "tiled" passes the shared table, so
+rows of the request share K/V loads. The machine is shared: ratios within one run, not absolute
+times, are what to read, and the load average is printed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ifb.plugins.kv_format import quantize_q8_0
+from ifb.plugins.quant_build import build_quant_library, load_quant_library
+
+BLOCK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+SHAPES = {"1b": Shape(32, 8, 64), "smollm2": Shape(9, 3, 64)}
+KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def alternated_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms of each fn, the fns run in turn within every repeat (so load drifts hit all)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def pools(shape: Shape, slots: int, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = torch.randn(slots, shape.kv_heads, shape.head_dim), torch.randn(slots, shape.kv_heads, shape.head_dim)
+    if kv_dtype == "q8_0":
+        return quantize_q8_0(k), quantize_q8_0(v)
+    return k.to(KV_DTYPES[kv_dtype]), v.to(KV_DTYPES[kv_dtype])
+
+
+def prefill_call(
+    shape: Shape, k_pool: torch.Tensor, v_pool: torch.Tensor, chunk: int, cached: int, tiled: bool
+) -> Callable[[], torch.Tensor]:
+    """One layer's attention for `chunk` rows of one request at positions cached..cached+chunk-1."""
+    blocks = -(-(cached + chunk) // BLOCK)
+    table = torch.arange(blocks) * 2  # every other block: scattered over the pool
+    tables = table[None].expand(chunk, -1)
+    if not tiled:  # an unread trailing entry that alternates: no two neighbours share a table
+        tables = torch.cat([tables, (torch.arange(chunk) % 2)[:, None]], dim=1)
+    tables = tables.contiguous()
+    lengths = torch.arange(cached + 1, cached + chunk + 1)
+    q = torch.randn(chunk, shape.heads, shape.head_dim)
+    return lambda: torch.ops.ifb_quant.paged_attention(q, k_pool, v_pool, tables, lengths, BLOCK, 0.125, "", None)
+
+
+def kernel_alone(shape: Shape, kv_dtype: str, chunk: int, cached: int, repeats: int) -> None:
+    slots = 2 * BLOCK * (-(-(cached + chunk) // BLOCK) + 1)
+    k_pool, v_pool = pools(shape, slots, kv_dtype)
+    calls = {
+        f"{mode} {label}": prefill_call(shape, k_pool, v_pool, chunk, context, mode == "tiled")
+        for mode in ("rows", "tiled")
+        for label, context in (("fresh", 0), ("cached", cached))
+    }
+    ms = alternated_ms(calls, repeats)
+    print(
+        f"attention, one layer, {shape} {kv_dtype}, {chunk} rows fresh / over {cached} cached, "
+        f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}:"
+    )
+    for name, value in ms.items():
+        print(f"  {name:14s} {value:8.2f} ms")
+    for mode in ("rows", "tiled"):
+        print(f"  {mode}: cached / fresh = {ms[f'{mode} cached'] / ms[f'{mode} fresh']:.2f}x")
+    for label in ("fresh", "cached"):
+        print(f"  {label}: rows / tiled = {ms[f'rows {label}'] / ms[f'tiled {label}']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--kv-dtype", choices=[*KV_DTYPES, "q8_0"], default="fp32")
+    parser.add_argument("--chunk", type=int, default=448)
+    parser.add_argument("--cached", type=int, default=1536)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        library = build_quant_library(Path(scratch))
+        load_quant_library(library.path, library.required_features)
+    kernel_alone(SHAPES[args.shape], args.kv_dtype, args.chunk, args.cached, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
