@@ -1,7 +1,7 @@
 """Prefill attention: a chunk over a cached context vs a fresh prompt, row-at-a-time vs tiled.
 
     .venv/bin/python bench/prefill_attention.py [--shape 1b|smollm2] [--kv-dtype fp32|fp16|bf16|q8_0]
-        [--chunk 448] [--cached 1536] [--repeats 5]
+        [--chunk 448] [--cached 1536] [--repeats 5] [--layer-step]
 
 It times `ifb_quant::paged_attention` over one layer's prefill rows, as the engine calls it
 (every query row of a request with the request's block table, seq_len = its position + 1): a
@@ -11,6 +11,12 @@ its neighbour's in one unread trailing entry, so the kernel cannot tile them and
 row's keys alone (the decode kernel, as before tiling); "tiled" passes the shared table, so
 rows of the request share K/V loads. The machine is shared: ratios within one run, not absolute
 times, are what to read, and the load average is printed beside them.
+
+With --layer-step it also times the shape's layer matmuls at `--chunk` rows (the engine's int8
+block kernel on random valid blocks: Llama-3.2-1B's Q4_K/Q6_K, SmolLM2's Q4_1) alternated with
+the attention calls, and prints layers x (matmuls + attention) for a fresh prompt and for the
+chunk over the cache: the step's two big parts, not a compiled engine step (norms, RoPE, the
+LM head and the step's Python are left out, which makes the printed ratio an upper bound).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,6 +37,7 @@ from ifb.plugins.kv_format import quantize_q8_0
 from ifb.plugins.quant_build import build_quant_library, load_quant_library
 
 BLOCK = 16
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +48,8 @@ class Shape:
 
 
 SHAPES = {"1b": Shape(32, 8, 64), "smollm2": Shape(9, 3, 64)}
+LAYERS = {"1b": 16, "smollm2": 30}
+MATMUL_SHAPES = {"1b": "llama1b", "smollm2": "smollm2"}  # bench/kernel_ab.py's MATMULS
 KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -78,19 +88,41 @@ def prefill_call(
     return lambda: torch.ops.ifb_quant.paged_attention(q, k_pool, v_pool, tables, lengths, BLOCK, 0.125, "", None)
 
 
-def kernel_alone(shape: Shape, kv_dtype: str, chunk: int, cached: int, repeats: int) -> None:
+def attention_calls(shape: Shape, kv_dtype: str, chunk: int, cached: int) -> dict[str, Callable[[], torch.Tensor]]:
     slots = 2 * BLOCK * (-(-(cached + chunk) // BLOCK) + 1)
     k_pool, v_pool = pools(shape, slots, kv_dtype)
-    calls = {
+    return {
         f"{mode} {label}": prefill_call(shape, k_pool, v_pool, chunk, context, mode == "tiled")
         for mode in ("rows", "tiled")
         for label, context in (("fresh", 0), ("cached", cached))
     }
-    ms = alternated_ms(calls, repeats)
-    print(
-        f"attention, one layer, {shape} {kv_dtype}, {chunk} rows fresh / over {cached} cached, "
-        f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}:"
-    )
+
+
+def layer_matmuls(shape_name: str, rows: int) -> Callable[[], None]:
+    """One layer's matmuls (qkv, o, gate/up, down) at `rows` rows, the engine's int8 kernel."""
+    sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests" / "unit")]
+    from kernel_ab import MATMULS
+    from quant_cases import random_blocks, random_x
+
+    from ifb.plugins import quant_ops
+    from ifb.plugins.quant_formats import WeightFormat
+
+    weights = []
+    for n, k, type_name in MATMULS[MATMUL_SHAPES[shape_name]]:
+        fmt = WeightFormat[type_name]
+        weights.append(
+            (random_x(rows, k, seed=k), quant_ops.pack_int8(random_blocks(n, k, fmt, seed=n + k), fmt, n, k), fmt, n, k)
+        )
+
+    def run() -> None:
+        for x, packed, fmt, n, k in weights:
+            quant_ops.quant_linear_int8(x, packed, fmt, n, k)
+
+    return run
+
+
+def report(title: str, ms: dict[str, float]) -> None:
+    print(f"{title}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}:")
     for name, value in ms.items():
         print(f"  {name:14s} {value:8.2f} ms")
     for mode in ("rows", "tiled"):
@@ -107,12 +139,24 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=1536)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layer-step", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         library = build_quant_library(Path(scratch))
         load_quant_library(library.path, library.required_features)
-    kernel_alone(SHAPES[args.shape], args.kv_dtype, args.chunk, args.cached, args.repeats)
+    shape = SHAPES[args.shape]
+    calls = attention_calls(shape, args.kv_dtype, args.chunk, args.cached)
+    if args.layer_step:
+        calls["matmuls"] = layer_matmuls(args.shape, args.chunk)
+    ms = alternated_ms(calls, args.repeats)
+    matmul_ms = ms.pop("matmuls", None)
+    report(f"attention, one layer, {shape} {args.kv_dtype}, {args.chunk} rows fresh / over {args.cached} cached", ms)
+    if matmul_ms is not None:
+        layers = LAYERS[args.shape]
+        print(f"layer matmuls at {args.chunk} rows: {matmul_ms:.2f} ms")
+        step = {name: layers * (matmul_ms + value) for name, value in ms.items()}
+        report(f"{layers} layers x (matmuls + attention)", step)
 
 
 if __name__ == "__main__":

@@ -79,8 +79,7 @@ def one_at_a_time(
 ) -> torch.Tensor:
     """Each row as its own call: a one-row item, the decode kernel."""
     rows = [
-        attend(q[r : r + 1], k, v, tables[r : r + 1], lengths[r : r + 1], variant, sinks)
-        for r in range(q.shape[0])
+        attend(q[r : r + 1], k, v, tables[r : r + 1], lengths[r : r + 1], variant, sinks) for r in range(q.shape[0])
     ]
     return torch.cat(rows)
 
@@ -193,7 +192,14 @@ def test_other_isa_builds_tile_to_the_same_bits(kernel_library: QuantLibrary, tm
         variant, sinks = ("window=20;softcap=5.0", sink_logits(9, index)) if index % 2 else ("", None)
         cases.append((q, k, v, tables, lengths, variant, sinks))
     torch.save(cases, tmp_path / "cases.pt")
-    command = [sys.executable, "-c", _OTHER_BUILD, str(other.path), str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")]
+    command = [
+        sys.executable,
+        "-c",
+        _OTHER_BUILD,
+        str(other.path),
+        str(tmp_path / "cases.pt"),
+        str(tmp_path / "out.pt"),
+    ]
     result = subprocess.run([*command, isa.value], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     for index, (theirs, inputs) in enumerate(zip(torch.load(tmp_path / "out.pt"), cases, strict=True)):
