@@ -352,8 +352,9 @@ inline QI scale_chain(QI acc, QI chain, const SuperScales& w, int j, int u) {
 
 // Rows [row0, row0 + R) x tiles [tile0, tile0 + T), all of K, in super-blocks. Per 32-block and unit
 // the T tiles' unpacked weights stay in registers while the R rows run their dots against them;
-// each row's int32 super-block sums and fp32 outputs live in L1 (as int8_tiles_wide's sums).
-// `scales`: [tile][super-block] of tiles tile0 onward.
+// each row's int32 super-block sums stay in registers (R x T of them: kept in L1 instead, their
+// loads and stores cost 20% at 512 rows) and its fp32 outputs live in L1 (as int8_tiles_wide's
+// sums). `scales`: [tile][super-block] of tiles tile0 onward.
 template <Format F, int R, int T>
 void super_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const SuperScales* scales) {
   const int64_t num_super = p.k / kSuperBlock;
@@ -361,14 +362,12 @@ void super_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const SuperS
   constexpr int kUnits = units_per_block<F>();
   constexpr int kGroups = 4 / kUnits;  // int8_group calls (of two 4-k lanes) per unit
   alignas(64) float sums[R][T][kTileColumns];
-  alignas(64) uint8_t totals[R][T][64];  // the rows' int32 super-block sums S
+  QI totals[R][T];  // the rows' int32 super-block sums S
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) store(sums[r][t], zero());
   for (int64_t s = 0; s < num_super; ++s) {
-    uint8_t* in_l1 = &totals[0][0][0];
-    __asm__("" : "+r"(in_l1));  // (kept in L1, not registers: see int8_tiles_wide)
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t) store_bytes(in_l1 + (r * T + t) * 64, splat(0));
+      for (int t = 0; t < T; ++t) totals[r][t] = splat(0);
     for (int j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
       Block<F> blocks[T];
@@ -388,9 +387,7 @@ void super_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const SuperS
             for (int t = 0; t < T; ++t) chains[t] = dot_unsigned2(chains[t], lo[t][g], x_lo, hi[t][g], x_hi);
           }
           for (int t = 0; t < T; ++t) {
-            uint8_t* total = in_l1 + (r * T + t) * 64;
-            const SuperScales& w = scales[t * num_super + s];
-            store_bytes(total, scale_chain<F>(load_bytes(total), chains[t], w, j, u));
+            totals[r][t] = scale_chain<F>(totals[r][t], chains[t], scales[t * num_super + s], j, u);
           }
         }
       }
@@ -400,7 +397,7 @@ void super_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const SuperS
       const V d_x = broadcast(p.x_super_scales[row * (p.blocks_row_stride / 8) + s]);
       for (int t = 0; t < T; ++t) {
         const SuperScales& w = scales[t * num_super + s];
-        QI total = load_bytes(in_l1 + (r * T + t) * 64);
+        QI total = totals[r][t];
         V acc = load(sums[r][t]);
         if constexpr (F == Format::kQ6_K) {
           const int32_t* halves = p.x_half_pairs + row * p.blocks_row_stride + 8 * s;

@@ -72,7 +72,6 @@ inline QI bytes_signed(const uint8_t* p) {
   return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
 inline QI load_bytes(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }  // 64 bytes as they lie
-inline void store_bytes(uint8_t* p, QI q) { _mm512_storeu_si512(p, q.a); }
 inline QI splat(int32_t x) { return {_mm512_set1_epi32(x)}; }
 inline V to_float(QI q) { return {_mm512_cvtepi32_ps(q.a)}; }
 inline int32_t sum_int_lanes(QI q) { return _mm512_reduce_add_epi32(q.a); }
@@ -204,10 +203,6 @@ inline QI bytes_signed(const uint8_t* p) {
 inline QI load_bytes(const uint8_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-}
-inline void store_bytes(uint8_t* p, QI q) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), q.lo);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), q.hi);
 }
 inline QI splat(int32_t x) {
   const __m256i b = _mm256_set1_epi32(x);
