@@ -252,7 +252,7 @@ class KVCacheManager:
     def take_back(self, block_ids: Iterable[int]) -> None:
         """Lent blocks return to the free list's head: they hold nothing anyone can reuse, so they
         go before any cached block."""
-        for block_id in block_ids:
+        for block_id in reversed(list(block_ids)):  # in the order they were lent
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count == 0 and block.block_hash is None, f"block {block_id} was not lent"

@@ -119,3 +119,22 @@ def test_prefix_keys_are_sha256_chains_salted_per_tenant() -> None:
     assert prefix_block_keys(tokens, 16, "tenant-a") != prefix_block_keys(tokens, 16, "tenant-b")
     resumed = prefix_block_keys(tokens, 16, None, start=1, parent=keys[0])
     assert resumed == keys[1:]
+
+
+def test_lent_blocks_come_back_first_in_line_and_cached_blocks_survive_a_short_loan() -> None:
+    """Calibration in an idle turn borrows blocks (KVCacheManager.lend): taken as an allocation
+    takes them (never-used blocks first), given back to the free list's head, so the next loan or
+    request reuses them before evicting a cached prefix."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    first = make_request(0, 4, prompt=list(range(10, 18)))
+    kv.admit(first, kv.match_prefix(first))
+    computed(kv, first, 8)  # two full blocks, published
+    cached = list(first.block_ids)
+    kv.free(first)
+    assert kv.num_cached_blocks == 2
+    lent = kv.lend(4)
+    assert set(lent).isdisjoint(cached) and kv.num_cached_blocks == 2
+    kv.take_back(lent)
+    kv.check_integrity([])
+    assert kv.lend(4) == lent  # the same never-cached blocks again, no cached block evicted
+    assert kv.num_cached_blocks == 2
