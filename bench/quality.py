@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/quality.py --reference engines/smollm2-b32-t512-q4_1 \\
         --candidate engines/smollm2-b32-t512-q4_1-kvfp16 --candidate engines/smollm2-b32-t512-q4_1-kvq8_0 \\
-        [--candidate ...] [--max-new-tokens 64]
+        [--candidate ...] [--max-new-tokens 64] [--kernels REV]
 
 Sixteen fixed chat prompts (PROMPTS below: facts, code, arithmetic, lists, translation, a story,
 a system prompt) go through the reference engine's chat template. The reference generates its
@@ -18,6 +18,10 @@ row states the KV bytes a token costs in its pool (all layers, K and V), the pri
 Both engines are driven through the runtime's step (`Engine.step` over `build_step_inputs`),
 which returns full-vocabulary fp32 logits: decodes of one group of prompts share each step, as
 they do when served. Prints a table; writes bench/out/quality.json.
+
+`--kernels REV` runs every engine on the kernel library built from plugins/csrc as it is at git
+revision REV (loaded before any engine's own, so the process uses it): the same int8 engine then
+measures an older activation scheme, e.g. per-32 scales for the K-quants before #38's per-256.
 """
 
 from __future__ import annotations
@@ -239,6 +243,30 @@ def check_comparable(reference: EngineConfig, candidate: EngineConfig) -> None:
         print(f"note: {candidate.folder.name} was built from another source file than the reference")
 
 
+def load_kernels_of(revision: str, config: EngineConfig) -> None:
+    """Builds plugins/csrc at `revision` for the reference engine's ISA and loads it as the process's library."""
+    import subprocess
+    import tarfile
+    import tempfile
+    from io import BytesIO
+
+    from ifb.plugins import quant_build
+    from ifb.runtime.step.kernels import ensure_quant_library
+
+    assert config.kernels is not None, "--kernels needs a block-weight engine"
+    root = Path(__file__).resolve().parents[1]
+    scratch = Path(tempfile.mkdtemp(prefix="ifb-quality-kernels-"))
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", revision, "plugins/csrc"], capture_output=True, check=True
+    )
+    with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+        tar.extractall(scratch, filter="data")
+    quant_build._CSRC = scratch / "plugins" / "csrc"
+    library = quant_build.build_quant_library(scratch / "lib", quant_build.QuantIsa(config.kernels.isa))
+    ensure_quant_library(library.path, config.kernels.isa, library.required_features)
+    print(f"kernels: plugins/csrc at {revision} ({library.path})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", type=Path, required=True, help="The exact engine (e.g. fp32 KV).")
@@ -246,8 +274,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="Use the first N prompts.")
     parser.add_argument("--output", type=Path, default=Path("bench/out/quality.json"))
+    parser.add_argument("--kernels", metavar="REV", help="Run on plugins/csrc as at git revision REV.")
     args = parser.parse_args()
     config = EngineConfig.load(args.reference)
+    if args.kernels:
+        load_kernels_of(args.kernels, config)
     for folder in args.candidate:
         check_comparable(config, EngineConfig.load(folder, verify=False))
     prompts = chat_prompts(config, args.num_prompts)
