@@ -7,7 +7,8 @@ every pool dtype (fp32, fp16, bf16, q8_0), every variant field (window, softcap,
 dims 16 to 256 with head groups wider than a register block, row counts that are not a multiple
 of the tile, a chunk after a cached prefix, with 1 or 2 threads; the rows of a step mixing
 requests tile by request and still equal their rows alone; the AVX2 and AVX-512 builds give the
-same tiled bits.
+same tiled bits. The kernel tiles only where a KV head's group x head_dim is at least 256 (below
+it rows one at a time are faster, plan_attention_tiles), so every shape here is at least that.
 """
 
 from __future__ import annotations
@@ -98,20 +99,21 @@ def test_tiled_rows_are_decode_rows_bitwise(
 ) -> None:
     """A 29-row chunk (not a multiple of the tile) after 70 cached tokens (not a multiple of a
     block or of 16 lanes): every row the bits it has alone, each pool dtype and variant field."""
-    k, v = pools(3, 64, kv_dtype, seed=1)
-    q, tables, lengths = chunk(29, 70, 9, 64, seed=2)
-    sinks = sink_logits(9, seed=3) if with_sinks else None
+    k, v = pools(2, 64, kv_dtype, seed=1)
+    q, tables, lengths = chunk(29, 70, 8, 64, seed=2)
+    sinks = sink_logits(8, seed=3) if with_sinks else None
     together = attend(q, k, v, tables, lengths, variant, sinks)
     assert torch.equal(together, one_at_a_time(q, k, v, tables, lengths, variant, sinks))
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 2, 32), (6, 2, 128), (3, 1, 256)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 2, 16), (16, 2, 32), (6, 2, 128), (3, 1, 256)])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "q8_0"])
 def test_every_head_dim_tiles_bitwise(
     kernel_library: QuantLibrary, heads: int, kv_heads: int, head_dim: int, kv_dtype: str
 ) -> None:
-    """Head dims 16..256, with head groups wider than one register block (3 heads of 128 or 256:
-    blocks of 2 and 1), a fresh prompt of 19 rows: row for row the decode bits."""
+    """Head dims 16..256, with head groups wider than one register block (16 heads of 16 or 8 of
+    32: blocks of 16 and 8; 3 heads of 128 or 256: blocks of 2 and 1), a fresh prompt of 19 rows:
+    row for row the decode bits."""
     k, v = pools(kv_heads, head_dim, kv_dtype, seed=head_dim)
     q, tables, lengths = chunk(19, 0, heads, head_dim, seed=head_dim + 1)
     assert torch.equal(attend(q, k, v, tables, lengths), one_at_a_time(q, k, v, tables, lengths))
@@ -124,8 +126,8 @@ def test_a_chunk_splits_anywhere_with_the_same_bits(kernel_library: QuantLibrary
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        k, v = pools(3, 64, "fp16", seed=5)
-        q, tables, lengths = chunk(45, 0, 9, 64, seed=6)
+        k, v = pools(2, 64, "fp16", seed=5)
+        q, tables, lengths = chunk(45, 0, 8, 64, seed=6)
         whole = attend(q, k, v, tables, lengths, "window=23")
         for split in (13, 20):
             first = attend(q[:split], k, v, tables[:split], lengths[:split], "window=23")
@@ -139,10 +141,10 @@ def test_a_mixed_step_tiles_by_request(kernel_library: QuantLibrary) -> None:
     """Two requests' chunks (11 rows fresh, 20 rows after 33 cached) around three decode rows, in
     one call as the engine makes it: tiles end where the block table changes, and every row
     still has its bits alone."""
-    k, v = pools(3, 64, "bf16", seed=7)
-    a_q, a_tables, a_lengths = chunk(11, 0, 9, 64, seed=8)
-    b_q, b_tables, b_lengths = chunk(20, 33, 9, 64, seed=9)
-    d_q, d_tables, d_lengths = chunk(3, 50, 9, 64, seed=10)
+    k, v = pools(2, 64, "bf16", seed=7)
+    a_q, a_tables, a_lengths = chunk(11, 0, 8, 64, seed=8)
+    b_q, b_tables, b_lengths = chunk(20, 33, 8, 64, seed=9)
+    d_q, d_tables, d_lengths = chunk(3, 50, 8, 64, seed=10)
     d_tables[1, 0] = (d_tables[1, 0] + 1) % (SLOTS // BLOCK)  # three requests' decode rows
     d_tables[2, 1] = (d_tables[2, 1] + 1) % (SLOTS // BLOCK)
     width = max(t.shape[1] for t in (a_tables, b_tables, d_tables))
@@ -155,15 +157,15 @@ def test_tiled_rows_match_the_softmax_of_their_own_keys(kernel_library: QuantLib
     """Not only decode's bits but the right answer: each causal row is softmax(q K^T) V over its
     own keys, within fp32 rounding (float64 reference)."""
     k, v = pools(2, 32, "fp32", seed=11)
-    q, tables, lengths = chunk(17, 5, 4, 32, seed=12)
+    q, tables, lengths = chunk(17, 5, 16, 32, seed=12)
     got = attend(q, k, v, tables, lengths)
     slots = (tables[0][:, None] * BLOCK + torch.arange(BLOCK)).flatten()
     keys, values = k[slots].double(), v[slots].double()
     for r in range(17):
         n = int(lengths[r])
-        for h in range(4):
-            weights = torch.softmax((keys[:n, h // 2] @ q[r, h].double()) * 0.125, dim=0)
-            assert torch.allclose(got[r, h].double(), weights @ values[:n, h // 2], atol=2e-6), (r, h)
+        for h in range(16):
+            weights = torch.softmax((keys[:n, h // 8] @ q[r, h].double()) * 0.125, dim=0)
+            assert torch.allclose(got[r, h].double(), weights @ values[:n, h // 8], atol=2e-6), (r, h)
 
 
 _OTHER_BUILD = """
@@ -187,9 +189,9 @@ def test_other_isa_builds_tile_to_the_same_bits(kernel_library: QuantLibrary, tm
         pytest.skip(f"this CPU cannot run the {isa.value} path")
     cases: list[tuple[object, ...]] = []
     for index, kv_dtype in enumerate(("fp32", "fp16", "bf16", "q8_0")):
-        k, v = pools(3, 64, kv_dtype, seed=20 + index)
-        q, tables, lengths = chunk(21, 40, 9, 64, seed=30 + index)
-        variant, sinks = ("window=20;softcap=5.0", sink_logits(9, index)) if index % 2 else ("", None)
+        k, v = pools(2, 64, kv_dtype, seed=20 + index)
+        q, tables, lengths = chunk(21, 40, 8, 64, seed=30 + index)
+        variant, sinks = ("window=20;softcap=5.0", sink_logits(8, index)) if index % 2 else ("", None)
         cases.append((q, k, v, tables, lengths, variant, sinks))
     torch.save(cases, tmp_path / "cases.pt")
     command = [
