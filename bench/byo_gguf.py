@@ -46,6 +46,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -314,15 +315,37 @@ def build_engine(ifb_cmd: list[str], gguf: Path, out: Path, compute: str, args) 
 # ---------------------------------------------------------------------------------------------
 
 
+def wait_for_cost_model(server: peers.Server, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """An ifb engine built `--calibration serve` times its steps in idle turns after it is up: wait for
+    that before measuring, so the runs see the fitted step budget (and no calibration steps between
+    requests). llama-server has no such field; nothing to wait for."""
+    t0 = time.perf_counter()
+    source = None
+    while time.perf_counter() - t0 < timeout_s:
+        try:
+            body = httpx.get(server.url + "/health", timeout=30).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+        source = (body.get("step_budget") or {}).get("cost_model_source")
+        if source != "pending":
+            break
+        time.sleep(2.0)
+    waited = time.perf_counter() - t0
+    if source is not None:
+        print(f"[{server.name}] step cost model: {source} (waited {waited:.0f} s)", flush=True)
+    return {"cost_model_source": source, "calibration_wait_s": round(waited, 1)}
+
+
 def serve(server: peers.Server, args, prompts) -> dict[str, Any]:
     """peers.measure plus resident memory after warm-up and its peak until the server stops."""
     state: dict[str, Any] = {}
 
     def on_warm(s: peers.Server) -> dict[str, Any]:
+        calibration = wait_for_cost_model(s)
         m = tree_memory(s.proc.pid)
         state["poller"] = PeakPoller(s.proc.pid, interval=0.5)
         print(f"[{s.name}] after warm-up: RSS {m['rss'] / 1e9:.2f} GB (anonymous {m['anon'] / 1e9:.2f} GB)", flush=True)
-        return {"rss_gb": gb(m["rss"]), "anon_gb": gb(m["anon"]), "processes": m["processes"]}
+        return {"rss_gb": gb(m["rss"]), "anon_gb": gb(m["anon"]), "processes": m["processes"], **calibration}
 
     try:
         result = peers.measure(server, args, prompts, args.start_timeout, on_warm=on_warm)
@@ -337,8 +360,20 @@ def serve(server: peers.Server, args, prompts) -> dict[str, Any]:
     return result
 
 
+def make_prompts(tokenizer_folder: Path, args) -> dict[str, list[str]]:
+    """Warm-up, single-stream and concurrent prompts of --prompt-tokens by `tokenizer_folder`'s tokenizer."""
+    n_single = args.single_requests
+    all_prompts = peers.make_prompts(tokenizer_folder, 2 + n_single + args.clients, args.prompt_tokens, args.seed)
+    return {
+        "warmup": all_prompts[:2],
+        "single": all_prompts[2 : 2 + n_single],
+        "concurrent": all_prompts[2 + n_single :],
+    }
+
+
 def tokenizer_dir() -> Path:
-    """A folder with tokenizer/tokenizer.json for peers.make_prompts: SmolLM2's, which every input uses."""
+    """A folder with tokenizer/tokenizer.json for peers.make_prompts: SmolLM2's, which every input but
+    the mixtures of experts (bench/moe_synth.py: a synthetic vocabulary of the real size) uses."""
     folder = BYO / "prompt-tokenizer"
     if not (folder / "tokenizer" / "tokenizer.json").is_file():
         from gguf_synth import bundled_gguf
@@ -510,15 +545,7 @@ def main() -> None:
     ifb_cmd, ifb_desc = ifb_command(args)
     print(f"ifb: {ifb_desc}: {shlex.join(ifb_cmd)}", flush=True)
 
-    prompts = None
-    if not args.skip_serve:
-        n_single = args.single_requests
-        all_prompts = peers.make_prompts(tokenizer_dir(), 2 + n_single + args.clients, args.prompt_tokens, args.seed)
-        prompts = {
-            "warmup": all_prompts[:2],
-            "single": all_prompts[2 : 2 + n_single],
-            "concurrent": all_prompts[2 + n_single :],
-        }
+    prompts = None if args.skip_serve else make_prompts(tokenizer_dir(), args)
 
     previous = json.loads(args.output.read_text()).get("results", {}) if args.merge and args.output.is_file() else {}
     results: dict[str, Any] = dict(previous)
@@ -557,6 +584,9 @@ def main() -> None:
             keys_now.append(key)
         if args.skip_serve:
             continue
+        first_engine = ROOT / entry["ifb"][keys_now[0]]["engine"]
+        if MODELS[model][0] == "moe" and (first_engine / "tokenizer").is_dir():
+            prompts = make_prompts(first_engine, args)  # its own synthetic vocabulary sizes its prompts
         if not args.skip_llama:
             port = peers.free_port()
             llama = peers.Server(
