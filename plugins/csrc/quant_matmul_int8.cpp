@@ -433,7 +433,9 @@ constexpr int kSuperTiles = 1;
 
 template <Format F, int R>
 void super_row_block(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0, const SuperScales* scales) {
-  constexpr int T = R == 1 ? 1 : kSuperTiles;
+  // One row (decode) is memory-bound: tiles_for's choice, as the per-32 kernels' (high-bit formats
+  // read several tiles at once: Q6_K 1x2048x8192 one tile at a time ran 0.66x the per-32 kernel).
+  constexpr int T = R == 1 ? tiles_for<F>(1) : kSuperTiles;
   const int64_t num_super = p.k / kSuperBlock;
   int64_t tile = tile0;
   for (; tile + T <= tile0 + tiles; tile += T) super_tiles<F, R, T>(p, tile, row0, scales + (tile - tile0) * num_super);
