@@ -6,8 +6,7 @@ kernel_ab.py builds the whole library per side and times medians in two processe
 TU (plugins/csrc/quant_matmul_int8.cpp) is compiled per side, with a small C entry point, both
 sides are loaded into this process, and each shape is timed as the fastest of many alternated
 calls (a neighbour only ever slows a call down, so the minimum is the undisturbed time). The
-outputs of both sides are compared bit for bit ("bits differ (new scheme)" where one side quantizes
-the K-quants' activations per 256 and the other per 32), and the rate is set against this machine's
+outputs of both sides are compared bit for bit, and the rate is set against this machine's
 one-thread peak of the ISA's dot instruction (bench/int8_peak.py's loop).
 
     .venv/bin/python bench/int8_kernel_ab.py --base HEAD [--model smollm2|llama1b] [--rows 512]
@@ -48,11 +47,6 @@ using namespace ifb_quant;
 // Quantizes x, then runs all tiles `calls` times; returns the fastest call in seconds.
 extern "C" __attribute__((visibility("default"))) double ifb_int8_time(
     const float* x, long m, long k, const unsigned char* packed, long n, int format, float* y, int calls) {
-#if defined(IFB_INT8_SUPER_BLOCKS)  // the K-quants' activations per 256 (and Int8Buffers)
-  const Int8Buffers buffers(static_cast<Format>(format), m, k);
-  quantize_rows_int8(x, k, k, 0, m, buffers.activations());
-  const Int8Problem p = buffers.problem(packed, y, n, n);
-#else
   const long blocks = k / 32;
   std::vector<int8_t> xq(m * k);
   std::vector<float> scales(m * blocks), scaled(m * blocks);
@@ -61,7 +55,6 @@ extern "C" __attribute__((visibility("default"))) double ifb_int8_time(
   quantize_rows_int8(x, k, k, 0, m, out);
   const Int8Problem p{xq.data(), k, scales.data(), sums.data(), scaled.data(), halves.data(), blocks,
                       packed, y, n, m, n, k, static_cast<Format>(format)};
-#endif
   double best = 1e30;
   for (int i = 0; i < calls; ++i) {
     const auto start = std::chrono::steady_clock::now();
@@ -69,14 +62,6 @@ extern "C" __attribute__((visibility("default"))) double ifb_int8_time(
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return best;
-}
-// 1 where this side quantizes the K-quants' activations per 256 (their bits then differ from a per-32 side's).
-extern "C" __attribute__((visibility("default"))) int ifb_int8_super_blocks() {
-#if defined(IFB_INT8_SUPER_BLOCKS)
-  return 1;
-#else
-  return 0;
-#endif
 }
 """
 
@@ -140,10 +125,7 @@ def main() -> None:
                     )
                     best[side] = min(best[side], seconds)
             rate = {side: args.rows * n * k / best[side] for side in sides}
-            same = "yes" if torch.equal(ys["base"], ys["tree"]) else "NO"
-            schemes = {side.ifb_int8_super_blocks() for side in sides.values()}
-            if same == "NO" and fmt.value.endswith("_k") and len(schemes) == 2:
-                same = "bits differ (new scheme)"
+            same = torch.equal(ys["base"], ys["tree"])
             print(
                 f"| {name} {args.rows}x{n}x{k} | {rate['base'] / 1e9:.1f} | {rate['tree'] / 1e9:.1f} "
                 f"| {rate['tree'] / rate['base']:.2f} | {rate['base'] / peak.macs_per_s:.0%} "

@@ -109,8 +109,8 @@ class BuildOptions:
         "auto",
         "How block-quantized layers multiply: auto = int8 where the engine keeps block weights and this CPU "
         "has integer dot products that pay (AVX2, AVX-512, VNNI: all measured faster), else fp32; int8 = "
-        "activations quantized per row and 32-block (256-weight super-block against K-quants) to int8 and "
-        "integer dot products, as llama.cpp multiplies its blocks (~2.7x faster layers at 32 rows; quality cost in bench/README.md); fp32 = fp32 activations "
+        "activations quantized per row and 32-block to int8 and integer dot products, as llama.cpp multiplies "
+        "its blocks (~2.7x faster layers at 32 rows; quality cost in bench/README.md); fp32 = fp32 activations "
         "times the exact weights (the fp32 engine's numbers up to summation order). Rows stay batch-invariant "
         "either way.",
         choices=COMPUTE_CHOICES,

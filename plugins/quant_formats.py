@@ -95,8 +95,7 @@ class WeightCompute(str, Enum):
 
     fp32: fp32 activations times the exact dequantized weights (the engine's numbers equal the
     fp32 engine's up to summation order). int8: the matmul quantizes its fp32 input rows per row
-    and 32-block to int8 (per 256-weight super-block against Q4_K/Q5_K/Q6_K, with int32 sums across
-    it) and takes integer dot products (llama.cpp's Q8_1 and Q8_K pairings); what
+    and 32-block to int8 and takes integer dot products (llama.cpp's Q8_1 pairing); what
     `--compute auto`, the default, picks for block weights on every ISA with a kernel path (AVX2,
     AVX-512, AVX-512 VNNI: measured faster on each); its quality cost measured in bench/quality.py.
     """

@@ -59,7 +59,6 @@ from ifb.plugins.quant_formats import (
     BLOCK_SIZE,
     WeightCompute,
     WeightFormat,
-    block_weights,
     dequantize,
 )
 from ifb.plugins.quant_pack import TILE_COLUMNS as TILE_COLUMNS  # re-exported: the layout's constants
@@ -180,7 +179,7 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, fmt: WeightFormat, n: in
 
 
 def quant_linear_int8(x: torch.Tensor, packed: torch.Tensor, fmt: WeightFormat, n: int, k: int) -> torch.Tensor:
-    """`--compute int8`: x quantized per row to int8 (per 32, or per 256 for the K-quants), W packed by `pack_int8`."""
+    """`--compute int8`: x quantized per row and 32-block to int8, W packed by `pack_int8`."""
     return torch.ops.ifb_quant.quant_matmul_int8(x, packed, kernel_format(fmt), n, k)
 
 
@@ -208,33 +207,22 @@ def pack_int8(blocks: torch.Tensor | Sequence[torch.Tensor], fmt: WeightFormat, 
     return pack_tiles(blocks, fmt, n, k, int8_layout=True)
 
 
-def activation_block(fmt: WeightFormat) -> int:
-    """Values per activation scale in `--compute int8` against `fmt`: 256 for the K-quants (llama.cpp's
-    Q8_K: the kernel sums a whole super-block in integers), else 32."""
-    return block_weights(fmt) if block_weights(fmt) == 256 else BLOCK_SIZE
-
-
-def quantize_activations(x: torch.Tensor, block: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32 -> (int8 values [M, K], scales [M, K/block]) as the int8 kernel quantizes:
-    d = max|x| / 127 per block of `block` values, q = round-half-even(x * (1 / d))."""
-    blocks = x.to(torch.float32).reshape(x.shape[0], -1, block)
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (int8 values [M, K], scales [M, K/32]) as the int8 kernel quantizes:
+    d = max|x| / 127 per 32-block, q = round-half-even(x * (1 / d))."""
+    blocks = x.to(torch.float32).reshape(x.shape[0], -1, BLOCK_SIZE)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = torch.round(blocks * inverse)
     return q.reshape(x.shape).to(torch.int8), d.squeeze(-1)
 
 
-def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """quantize_activations' values as float64: q * d per block."""
-    block = q.shape[-1] // d.shape[-1]
-    return (q.to(torch.float64).reshape(q.shape[0], -1, block) * d.to(torch.float64)[..., None]).reshape(q.shape)
-
-
 def reference_matmul_int8(x: torch.Tensor, blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """What the int8 kernel computes, in float64: quantized x @ dequantize(blocks)^T (activations
-    quantized per `activation_block(fmt)`)."""
-    q, d = quantize_activations(x.reshape(-1, x.shape[-1]), activation_block(fmt))
-    return dequantize_activations(q, d) @ dequantize(blocks, fmt).to(torch.float64).T
+    """What the int8 kernel computes, in float64: quantized x @ dequantize(blocks)^T (every format:
+    activations are quantized per 32 whatever the weight's block size)."""
+    q, d = quantize_activations(x.reshape(-1, x.shape[-1]))
+    x_hat = q.to(torch.float64).reshape(q.shape[0], -1, BLOCK_SIZE) * d.to(torch.float64)[..., None]
+    return x_hat.reshape(q.shape) @ dequantize(blocks, fmt).to(torch.float64).T
 
 
 def reference_matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:

@@ -103,8 +103,16 @@ struct Block {
       quants = base + 128;
     } else if constexpr (F == Format::kQ4_K || F == Format::kQ5_K) {
       // 6-bit scale and min of sub-block `sub` from the 12 scale bytes (rows of 16 columns).
+      const uint8_t* s = base + 64;
       QI sc, mn;
-      k_quant_scale_min(base, sub, sc, mn);
+      if (sub < 4) {
+        sc = mask(bytes_unsigned(s + 16 * sub), 63);
+        mn = mask(bytes_unsigned(s + 16 * (sub + 4)), 63);
+      } else {
+        const QI packed = bytes_unsigned(s + 16 * (sub + 4));
+        sc = or_(mask(packed, 15), slli(srli(bytes_unsigned(s + 16 * (sub - 4)), 6), 4));
+        mn = or_(srli(packed, 4), slli(srli(bytes_unsigned(s + 16 * sub), 6), 4));
+      }
       scale[0] = scale[1] = mul(d, to_float(sc));
       offset = mul(halves(base + 32), to_float(mn));
       locate_k_quant_fields(base, sub);
@@ -120,34 +128,17 @@ struct Block {
     }
   }
 
-  // Q4_K/Q5_K: the 6-bit scale and min of sub-block `sub` of the tile-block at `base`, from its
-  // 12 scale bytes (rows of 16 columns).
-  static inline void k_quant_scale_min(const uint8_t* base, int sub, QI& sc, QI& mn) {
-    const uint8_t* s = base + 64;
-    if (sub < 4) {
-      sc = mask(bytes_unsigned(s + 16 * sub), 63);
-      mn = mask(bytes_unsigned(s + 16 * (sub + 4)), 63);
-    } else {
-      const QI packed = bytes_unsigned(s + 16 * (sub + 4));
-      sc = or_(mask(packed, 15), slli(srli(bytes_unsigned(s + 16 * (sub - 4)), 6), 4));
-      mn = or_(srli(packed, 4), slli(srli(bytes_unsigned(s + 16 * sub), 6), 4));
-    }
-  }
-
-  // K-quants: where 32-block b of a tile keeps its quants (and high bits), no scale decoded (the
-  // int8 kernel's super-block scheme reads the scales once per super-block, as integers).
-  static Block quants_of(const uint8_t* tile, int64_t b) {
-    static_assert(is_k_quant<F>(), "quants_of: the K-quants only");
+  // Q4_K/Q5_K: the fields of sub-block b with its scale (d sc) and offset (dmin m) already decoded
+  // (by the full constructor, for an earlier row block): kernels that run many row blocks over
+  // the same tiles decode the 6-bit scales once, not once per row block.
+  static Block with_scales(const uint8_t* tile, int64_t b, V decoded_scale, V decoded_offset) {
+    static_assert(F == Format::kQ4_K || F == Format::kQ5_K, "with_scales: the K-quants with mins only");
     Block block;
+    block.d = zero();  // unused once the scale is decoded
+    block.scale[0] = block.scale[1] = decoded_scale;
+    block.offset = decoded_offset;
     constexpr int64_t kSubs = sub_blocks<F>();
-    const uint8_t* base = tile + (b / kSubs) * tile_block_bytes<F>();
-    const int sub = static_cast<int>(b % kSubs);
-    if constexpr (F == Format::kQ6_K) {
-      for (int h = 0; h < 2; ++h) block.high[h] = load_bytes(base + 288 + 384 * sub + 64 * h);
-      block.quants = base + 288 + 384 * sub + 128;
-    } else {
-      block.locate_k_quant_fields(base, sub);
-    }
+    block.locate_k_quant_fields(tile + (b / kSubs) * tile_block_bytes<F>(), static_cast<int>(b % kSubs));
     return block;
   }
 

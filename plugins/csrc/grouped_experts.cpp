@@ -125,9 +125,15 @@ void expert_matmul(const ExpertWeights& w, int64_t expert, bool int8, const floa
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { run_tiles(problem, begin, end); });
     return;
   }
-  const Int8Buffers buffers(w.format, m, k);
-  quantize_rows_int8(x, k, k, 0, m, buffers.activations());
-  const Int8Problem problem = buffers.problem(weights, y, n, n);
+  const int64_t blocks = k / kBlockSize;
+  std::vector<int8_t> xq(static_cast<size_t>(m * k));
+  std::vector<float> scales(static_cast<size_t>(m * blocks)), scaled_sums(static_cast<size_t>(m * blocks));
+  std::vector<int32_t> sums(static_cast<size_t>(m * blocks)), half_sums(static_cast<size_t>(2 * m * blocks));
+  const Int8Activations activations{xq.data(), k, scales.data(), sums.data(), scaled_sums.data(), half_sums.data(),
+                                    blocks};
+  quantize_rows_int8(x, k, k, 0, m, activations);
+  const Int8Problem problem{xq.data(), k, scales.data(), sums.data(), scaled_sums.data(), half_sums.data(), blocks,
+                            weights, y, n, m, n, k, w.format};
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { run_tiles_int8(problem, begin, end); });
 }
 

@@ -95,17 +95,11 @@ Problem rows_of(Problem p, int64_t begin, int64_t end) {
   return p;
 }
 Int8Problem rows_of(Int8Problem p, int64_t begin, int64_t end) {
-  const auto skip = [&](auto*& rows, int64_t row_stride) {
-    if (rows != nullptr) rows += begin * row_stride;
-  };
   p.xq += begin * p.xq_row_stride;
-  skip(p.x_scales, p.blocks_row_stride);
-  skip(p.x_sums, p.blocks_row_stride);
-  skip(p.x_scaled_sums, p.blocks_row_stride);
-  skip(p.x_half_sums, 2 * p.blocks_row_stride);
-  skip(p.x_super_scales, p.blocks_row_stride / 8);
-  skip(p.x_half_pairs, p.blocks_row_stride);
-  skip(p.x_sub_pairs, p.blocks_row_stride / 2);
+  p.x_scales += begin * p.blocks_row_stride;
+  p.x_sums += begin * p.blocks_row_stride;
+  p.x_scaled_sums += begin * p.blocks_row_stride;
+  p.x_half_sums += 2 * begin * p.blocks_row_stride;
   p.y += begin * p.y_row_stride;
   p.m = end - begin;
   return p;
@@ -135,8 +129,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& packed, c10::stri
   return y;
 }
 
-// --compute int8: quantize each row of x (per 32-block, or per 256 for the K-quants; rows in
-// parallel, each row alone), then the integer-dot kernel over column tiles.
+// --compute int8: quantize each row of x per 32-block (rows in parallel; each row alone), then
+// the integer-dot kernel over column tiles.
 at::Tensor quant_matmul_int8(const at::Tensor& x, const at::Tensor& packed, c10::string_view format_name, int64_t n,
                              int64_t k) {
   const Format format = parse_format(format_name);
@@ -144,11 +138,23 @@ at::Tensor quant_matmul_int8(const at::Tensor& x, const at::Tensor& packed, c10:
   const auto [rows, y] = matmul_operands(x, n, k);
   const int64_t m = rows.size(0);
   if (m == 0) return y;
-  const Int8Buffers buffers(format, m, k);
+  const int64_t num_blocks = k / kBlockSize;
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({m, num_blocks}, x.options());
+  at::Tensor sums = at::empty({m, num_blocks}, x.options().dtype(at::kInt));
+  at::Tensor scaled_sums = at::empty({m, num_blocks}, x.options());
+  at::Tensor half_sums = at::empty({m, 2 * num_blocks}, x.options().dtype(at::kInt));
+  const Int8Activations activations{xq.mutable_data_ptr<int8_t>(),      k,
+                                    scales.mutable_data_ptr<float>(),   sums.mutable_data_ptr<int32_t>(),
+                                    scaled_sums.mutable_data_ptr<float>(), half_sums.mutable_data_ptr<int32_t>(),
+                                    num_blocks};
   at::parallel_for(0, m, std::max<int64_t>(1, 4096 / k), [&](int64_t begin, int64_t end) {
-    quantize_rows_int8(rows.const_data_ptr<float>(), k, k, begin, end, buffers.activations());
+    quantize_rows_int8(rows.const_data_ptr<float>(), k, k, begin, end, activations);
   });
-  const Int8Problem problem = buffers.problem(packed.const_data_ptr<uint8_t>(), y.mutable_data_ptr<float>(), n, n);
+  const Int8Problem problem{xq.const_data_ptr<int8_t>(), k, scales.const_data_ptr<float>(),
+                            sums.const_data_ptr<int32_t>(), scaled_sums.const_data_ptr<float>(),
+                            half_sums.const_data_ptr<int32_t>(), num_blocks,
+                            packed.const_data_ptr<uint8_t>(), y.mutable_data_ptr<float>(), n, m, n, k, format};
   for_tile_chunks(m, num_tiles(n), grain_tiles(m, k), [&](int64_t row_begin, int64_t row_end, int64_t begin, int64_t end) {
     run_tiles_int8(rows_of(problem, row_begin, row_end), begin, end);
   });

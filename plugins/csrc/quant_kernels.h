@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "block_format_table.h"
@@ -71,10 +70,7 @@ void run_tiles(const Problem& problem, int64_t tile_begin, int64_t tile_end);
 void dequantize_tiles(const uint8_t* packed, Format format, int64_t n, int64_t k, float* out,
                       int64_t tile_begin, int64_t tile_end);
 
-// --compute int8: activations quantized per row, in one of two schemes chosen by the weights' format
-// (quant_matmul_int8.cpp): per 32-block (Q8_1-like) for the 32-weight formats, or per 256-weight
-// super-block (Q8_K-like) for the K-quants, whose kernels then sum the whole super-block in int32.
-// A scheme's arrays are set and the other's are null.
+// --compute int8: activations quantized per row and per 32-block (quant_matmul_int8.cpp).
 struct Int8Activations {
   int8_t* xq;             // [m, k]
   int64_t xq_row_stride;
@@ -82,12 +78,7 @@ struct Int8Activations {
   int32_t* x_sums;        // [m, k / 32]: sum of the block's int8 values
   float* x_scaled_sums;   // [m, k / 32]: d_x * sum
   int32_t* x_half_sums;   // [m, k / 16]: sums of each 16 values (Q6_K's scale groups)
-  int64_t blocks_row_stride;  // k / 32 (every array's row stride is a fixed multiple of it)
-  // Super-block scheme: d_x per 256, and int16 pairs of integer sums packed in an int32
-  // (low 16 bits the first, high the second) for the kernels' pair-wise integer dot (vpdpwssd).
-  float* x_super_scales = nullptr;  // [m, k / 256]
-  int32_t* x_half_pairs = nullptr;  // [m, k / 32]: the two 16-value sums of each 32
-  int32_t* x_sub_pairs = nullptr;   // [m, k / 64]: the sums of 32-blocks 2i and 2i + 1
+  int64_t blocks_row_stride;
 };
 
 struct Int8Problem {
@@ -105,55 +96,9 @@ struct Int8Problem {
   int64_t n;
   int64_t k;
   Format format;
-  const float* x_super_scales = nullptr;  // row stride blocks_row_stride / 8
-  const int32_t* x_half_pairs = nullptr;  // row stride blocks_row_stride
-  const int32_t* x_sub_pairs = nullptr;   // row stride blocks_row_stride / 2
 };
 
-// Whether `format`'s int8 kernel reads the super-block scheme (the K-quants).
-constexpr bool int8_super_blocks(Format format) { return block_weights(format) == 256; }
-
-// (Defined for tools that compile this header beside an older one: bench/int8_kernel_ab.py.)
-#define IFB_INT8_SUPER_BLOCKS 1
-
-// One call's quantized activations [m, k] in the scheme `format`'s int8 kernel reads (storage left
-// uninitialized: quantize_rows_int8 writes every element).
-class Int8Buffers {
- public:
-  Int8Buffers(Format format, int64_t m, int64_t k) : format_(format), m_(m), k_(k) {
-    const int64_t blocks = k / kBlockSize;
-    xq_.reset(new int8_t[m * k]);
-    if (int8_super_blocks(format)) {
-      floats_.reset(new float[m * blocks / 8]);
-      ints_.reset(new int32_t[m * blocks + m * blocks / 2]);
-    } else {
-      floats_.reset(new float[2 * m * blocks]);
-      ints_.reset(new int32_t[3 * m * blocks]);
-    }
-  }
-  Int8Activations activations() const {
-    const int64_t blocks = k_ / kBlockSize, mb = m_ * blocks;
-    if (int8_super_blocks(format_))
-      return {xq_.get(), k_, nullptr, nullptr, nullptr, nullptr, blocks, floats_.get(), ints_.get(), ints_.get() + mb};
-    return {xq_.get(), k_, floats_.get(), ints_.get(), floats_.get() + mb, ints_.get() + mb, blocks};
-  }
-  // The problem y[m, n] = x @ W^T over weights `packed` (pack_int8 layout) of this call's format.
-  Int8Problem problem(const uint8_t* packed, float* y, int64_t y_row_stride, int64_t n) const {
-    const Int8Activations a = activations();
-    return {a.xq, a.xq_row_stride, a.x_scales, a.x_sums, a.x_scaled_sums, a.x_half_sums, a.blocks_row_stride,
-            packed, y, y_row_stride, m_, n, k_, format_, a.x_super_scales, a.x_half_pairs, a.x_sub_pairs};
-  }
-
- private:
-  Format format_;
-  int64_t m_, k_;
-  std::unique_ptr<int8_t[]> xq_;
-  std::unique_ptr<float[]> floats_;
-  std::unique_ptr<int32_t[]> ints_;
-};
-
-// Quantizes rows [row_begin, row_end) of x [*, k] into `out` (each row independently), in the scheme
-// whose arrays `out` has (x_super_scales set: per 256).
+// Quantizes rows [row_begin, row_end) of x [*, k] into `out` (each row independently).
 void quantize_rows_int8(const float* x, int64_t x_row_stride, int64_t k, int64_t row_begin, int64_t row_end,
                         const Int8Activations& out);
 

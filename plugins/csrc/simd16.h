@@ -110,8 +110,6 @@ inline QI dot_signed(QI acc, QI w, QI x) {
 // Two dots into one accumulator (see the maddubs paths'); here simply two vpdpbusd.
 constexpr bool kPairedDots = false;
 inline QI dot_unsigned2(QI acc, QI w0, QI x0, QI w1, QI x1) { return dot_unsigned(dot_unsigned(acc, w0, x0), w1, x1); }
-// acc + a.lo16 * b.lo16 + a.hi16 * b.hi16 per int32 lane (int16 halves, signed): one vpdpwssd.
-inline QI dot_pairs16(QI acc, QI a, QI b) { return {_mm512_dpwssd_epi32(acc.a, a.a, b.a)}; }
 #else
 constexpr const char* kDotPath = "maddubs";
 constexpr int32_t kSignedOffset = 0;
@@ -133,7 +131,6 @@ inline QI dot_unsigned2(QI acc, QI w0, QI x0, QI w1, QI x1) {
   const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(w0.a, x0.a), _mm512_maddubs_epi16(w1.a, x1.a));
   return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
 }
-inline QI dot_pairs16(QI acc, QI a, QI b) { return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(a.a, b.a))}; }
 #endif
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -269,9 +266,6 @@ inline __m256i dot8x2(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x
 }
 inline QI dot_unsigned2(QI acc, QI w0, QI x0, QI w1, QI x1) {
   return {dot8x2(acc.lo, w0.lo, x0.lo, w1.lo, x1.lo), dot8x2(acc.hi, w0.hi, x0.hi, w1.hi, x1.hi)};
-}
-inline QI dot_pairs16(QI acc, QI a, QI b) {
-  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
 }
 inline QI dot_signed(QI acc, QI w, QI x) {
   return {dot8(acc.lo, _mm256_sign_epi8(w.lo, w.lo), _mm256_sign_epi8(x.lo, w.lo)),

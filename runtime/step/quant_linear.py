@@ -4,8 +4,7 @@ The packed tiles are a persistent uint8 buffer, so they are saved and loaded wit
 weights and AOTInductor's freezing keeps them as uint8 constants fed to the op. With the default
 compute mode activations stay fp32: the kernel dequantizes each block in registers and
 accumulates one serial fp32 FMA chain per output. With `--compute int8` each row is quantized
-per 32-block (per 256-weight super-block against the K-quants, summed in int32 across it) and
-multiplied with integer dots. Either way each
+per 32-block and multiplied with integer dots (every format, K-quants included). Either way each
 output is computed from its own row only, which is what makes a row's result independent of the
 rest of the batch.
 """
