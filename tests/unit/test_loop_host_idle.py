@@ -48,13 +48,9 @@ def steps_then_idle(num_steps: int) -> Callable[[], Turn]:
     return script
 
 
-def test_idle_work_waits_for_every_loop_to_be_idle() -> None:
-    """Loop b has idle work; loop a steps 5 times first. No idle step runs in a rotation where a
-    stepped, and once both are idle b's 3 idle steps run one per rotation, each after both turns."""
-    log: list[tuple[str, str]] = []
+def run_until_idle_work_done(a: ScriptedLoop, b: ScriptedLoop) -> None:
+    """Hosts a and b until b's idle work is done, then ends both and waits for their loops."""
     host = LoopHost()
-    a = ScriptedLoop("a", log, steps_then_idle(5))
-    b = ScriptedLoop("b", log, lambda: Turn.IDLE, idle_steps=3)
     done = [host.attach(a), host.attach(b)]
     wait_until(lambda: b.idle_steps == 0, 10, "b's idle work")
     a.stop.set()
@@ -62,6 +58,15 @@ def test_idle_work_waits_for_every_loop_to_be_idle() -> None:
     host.wake()
     for future in done:
         future.result(timeout=10)
+
+
+def test_idle_work_waits_for_every_loop_to_be_idle() -> None:
+    """Loop b has idle work; loop a steps 5 times first. No idle step runs in a rotation where a
+    stepped, and once both are idle b's 3 idle steps run one per rotation, each after both turns."""
+    log: list[tuple[str, str]] = []
+    a = ScriptedLoop("a", log, steps_then_idle(5))
+    b = ScriptedLoop("b", log, lambda: Turn.IDLE, idle_steps=3)
+    run_until_idle_work_done(a, b)
     idle_at = [i for i, entry in enumerate(log) if entry == ("b", "idle work")]
     assert len(idle_at) == 3
     assert all(entry != ("a", "stepped") for entry in log[idle_at[0] :]), log
@@ -72,17 +77,10 @@ def test_idle_work_waits_for_every_loop_to_be_idle() -> None:
 def test_waiting_work_holds_idle_work_back() -> None:
     """A loop with requests it cannot schedule yet (WAITING) is not idle: no idle step runs."""
     log: list[tuple[str, str]] = []
-    host = LoopHost()
     turns = [Turn.WAITING] * 20
     a = ScriptedLoop("a", log, lambda: turns.pop() if turns else Turn.IDLE)
     b = ScriptedLoop("b", log, lambda: Turn.IDLE, idle_steps=1)
-    done = [host.attach(a), host.attach(b)]
-    wait_until(lambda: b.idle_steps == 0, 10, "b's idle work")
-    a.stop.set()
-    b.stop.set()
-    host.wake()
-    for future in done:
-        future.result(timeout=10)
+    run_until_idle_work_done(a, b)
     first_idle = log.index(("b", "idle work"))
     assert ("a", "waiting") not in log[first_idle:]
     assert log.count(("a", "waiting")) == 20
