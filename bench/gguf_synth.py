@@ -38,8 +38,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -129,6 +133,15 @@ def tokenizer_fields(src: Path) -> list[tuple[str, object, object, object]]:
     return out
 
 
+def write_metadata(writer: gguf.GGUFWriter) -> tuple[BinaryIO, int]:
+    """Writes `writer`'s header, key-values and tensor infos; returns its open file and the data
+    alignment, for tensor bytes streamed in after them (each padded to the alignment)."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    return writer.fout[0], writer.data_alignment  # type: ignore[index]
+
+
 def write_random_f16(path: Path, shape: Shape, seed: int = 0) -> dict[str, object]:
     """Stream a random-weight F16 llama GGUF of `shape` to `path` (via path.partial)."""
     import gguf
@@ -161,11 +174,7 @@ def write_random_f16(path: Path, shape: Shape, seed: int = 0) -> dict[str, objec
     for name, shp in tensors:
         dtype = np.float32 if len(shp) == 1 else np.float16  # 1-D (norms) stay F32, as in convert_hf_to_gguf
         writer.add_tensor_info(name, shp, np.dtype(dtype), int(np.prod(shp)) * np.dtype(dtype).itemsize)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    fout = writer.fout[0]  # type: ignore[index]
-    align = writer.data_alignment
+    fout, align = write_metadata(writer)
 
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(POOL_SIZE, dtype=np.float32) * 0.02).astype(np.float16)

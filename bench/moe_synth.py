@@ -208,6 +208,7 @@ def block_chunks(pool: np.ndarray, nbytes: int, rng: np.random.Generator) -> Ite
 def write_moe_gguf(path: Path, shape: MoeShape, layers: int, seed: int = 0) -> dict[str, object]:
     """Stream `layers` of `shape` as a GGUF of random valid blocks to `path` (via path.partial)."""
     import gguf
+    from gguf_synth import write_metadata
     from gguf_vocab import synthetic_vocab
 
     t0 = time.perf_counter()
@@ -252,11 +253,7 @@ def write_moe_gguf(path: Path, shape: MoeShape, layers: int, seed: int = 0) -> d
         else:
             raw = gguf.GGMLQuantizationType[item.type_name]
             writer.add_tensor_info(item.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    fout = writer.fout[0]  # type: ignore[index]
-    align = writer.data_alignment
+    fout, align = write_metadata(writer)
     rng = np.random.default_rng(seed)
     pools: dict[str, np.ndarray] = {}
     total = 0
