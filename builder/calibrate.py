@@ -21,6 +21,7 @@ from ifb.runtime.step_budget.calibration import NOISY_FIT, calibrate
 from ifb.runtime.step_budget.cost_model import StepCostModel
 from ifb.runtime.step_budget.cost_model_cache import CostModelCache, CostModelKey
 from ifb.runtime.step_budget.expert_reads import ExpertRouting
+from ifb.runtime.step_budget.serving_cost_model import REUSE_STORED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ def calibrate_engine_folder(
     With `reuse`, a fit this machine stored for the same key (runtime/step_budget/cost_model_cache.py) is taken
     instead of timing; a new fit is stored either way unless it is noisy (NOISY_FIT: a busy machine).
     With `defer` and no stored fit, nothing is timed: engine.json says `pending` and the server times
-    the engine in its idle turns (runtime/step_budget/idle_calibration.py), storing the fit here."""
+    the engine in its idle turns (runtime/step_budget/idle_calibration.py), storing the fit here;
+    without `reuse` (`--no-cache`) it also says the server must time it, not take a stored fit."""
     config = EngineConfig.load(folder, verify=False)  # hashed a moment ago by the writer
     cache = cache if cache is not None else CostModelCache()
     key = CostModelKey.of(config.to_json(), config.builder_version)
@@ -56,7 +58,8 @@ def calibrate_engine_folder(
         return stored
     if defer:
         logger.info("no stored step cost model for key %s: the server times the engine when idle", key.digest[:12])
-        dataclasses.replace(config, build_info={**build_info(), "cost_model": "pending"}).write(folder)
+        info = {**build_info(), "cost_model": "pending", REUSE_STORED_KEY: reuse}
+        dataclasses.replace(config, build_info=info).write(folder)
         return None
     try:
         engine = Engine(config)

@@ -104,7 +104,8 @@ class EngineConfig:
     build_id: str
     builder_version: str
     build_options: BuildOptionsRecord
-    build_info: dict[str, Any] = field(default_factory=dict)  # timings, versions, cpu: informational
+    # timings, versions, cpu: informational, but for serving_cost_model.REUSE_STORED_KEY
+    build_info: dict[str, Any] = field(default_factory=dict)
     tensorrt: TensorRTPlanInfo | None = None
     kernels: KernelLibraryInfo | None = None
     weight_formats: dict[str, WeightFormat] = field(default_factory=dict)  # module name -> block format

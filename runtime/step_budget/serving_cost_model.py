@@ -2,7 +2,8 @@
 while serving goes.
 
     engine.json has one          -> ENGINE     (the build measured it, or reused this machine's)
-    else stored for its key      -> STORED     (cost_model_cache.py: an earlier run timed it)
+    else stored for its key      -> STORED     (cost_model_cache.py: an earlier run timed it),
+                                                unless built `--no-cache` (REUSE_STORED_KEY false)
     else                         -> PENDING    a ConservativeBudget; idle turns time the engine
                                                 (idle_calibration.py) -> CALIBRATED_IDLE
     `--calibrate` (any of these) -> timed before serving -> CALIBRATED_AT_START
@@ -29,6 +30,11 @@ from ifb.runtime.step_budget.expert_reads import ExpertRouting
 
 logger = logging.getLogger(__name__)
 
+# engine.json's build record says whether a pending engine may start from a stored fit: false for
+# `ifb build --no-cache`, whose user asked for nothing of this machine's caches to be reused (a
+# fit stored by an earlier build of the same shape was taken here before).
+REUSE_STORED_KEY = "reuse_stored_cost_model"
+
 
 class ServingCostModel:
     """The cost model an LLM's budget uses (None while PENDING or before `--calibrate` measured it)."""
@@ -41,7 +47,8 @@ class ServingCostModel:
             self.source = CostModelSource.CALIBRATED_AT_START
             return
         routing = ExpertRouting(engine.spec.num_experts, engine.spec.num_experts_per_tok)
-        stored = None if engine.cost_model is not None else self.cache.get(self.key)
+        may_reuse = engine.build_info.get(REUSE_STORED_KEY, True)
+        stored = self.cache.get(self.key) if engine.cost_model is None and may_reuse else None
         if engine.cost_model is not None:
             self.model, self.source = engine.cost_model, CostModelSource.ENGINE
         elif stored is not None and stored.routing == routing:  # an MoE fit without its expert term: timed again

@@ -200,3 +200,22 @@ def test_a_build_with_a_stored_fit_reuses_it_and_times_nothing(
     assert build_calibration.calibrate_engine_folder(folder, dict, defer=True) == fitted
     config = EngineConfig.load(folder)
     assert config.cost_model == fitted and config.build_info["cost_model"] == "reused"
+
+
+def test_a_no_cache_build_is_timed_when_serving_over_a_stored_fit(pending_engine: Path, tmp_path: Path) -> None:
+    """`ifb build --no-cache --calibration serve`: the user asked for nothing stored to be reused, so
+    the server times the engine (PENDING) though this machine holds a fit of its key; the plain
+    pending engine of the same key takes that fit (STORED)."""
+    import shutil
+
+    with LLM(pending_engine) as llm:
+        wait_until(lambda: llm.cost_model.source is CostModelSource.CALIBRATED_IDLE, 60, "the idle calibration")
+        stored = llm.cost_model.model
+    folder = tmp_path / "engine"
+    shutil.copytree(pending_engine, folder)
+    assert build_calibration.calibrate_engine_folder(folder, dict, reuse=False, defer=True) is None
+    no_cache = EngineConfig.load(folder)
+    assert no_cache.cost_model is None and no_cache.build_info["cost_model"] == "pending"
+    assert serving_module.ServingCostModel(no_cache, calibrate=False).source is CostModelSource.PENDING
+    plain = serving_module.ServingCostModel(EngineConfig.load(pending_engine), calibrate=False)
+    assert plain.source is CostModelSource.STORED and plain.model == stored
