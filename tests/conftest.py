@@ -21,9 +21,11 @@ atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 sys.path.insert(0, str(Path(__file__).parent))
 
 from isa_report import MARKER, IsaReport  # noqa: E402
+from kernel_builds import KernelBuilds  # noqa: E402
 from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint  # noqa: E402
 
 from ifb.builder.build import BuildOptions, build_engine  # noqa: E402
+from ifb.plugins.quant_build import QuantLibrary  # noqa: E402
 
 _ISA_REPORT = IsaReport()
 
@@ -46,6 +48,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     are compared only on a CPU that runs both."""
     for line in _ISA_REPORT.lines():
         terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def kernel_builds(tmp_path_factory: pytest.TempPathFactory) -> KernelBuilds:
+    return KernelBuilds(tmp_path_factory.mktemp("kernel-builds"))
+
+
+@pytest.fixture(scope="session")
+def quant_library(kernel_builds: KernelBuilds) -> QuantLibrary:
+    """This CPU's kernel library, built once for the run and loaded into the test process."""
+    return kernel_builds.own()
 
 
 @pytest.fixture(scope="session")

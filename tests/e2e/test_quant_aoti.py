@@ -20,7 +20,7 @@ import torch
 
 from ifb.plugins import quant_ops
 from ifb.plugins.attention_variant import AttentionVariant
-from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+from ifb.plugins.quant_build import QuantLibrary
 from ifb.plugins.quant_formats import WeightFormat, quantize
 
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -67,13 +67,6 @@ def _run_ctypes(library_path: Path, inputs: list[torch.Tensor]) -> torch.Tensor:
         return out
     finally:
         lib.AOTInductorModelContainerDelete(handle)
-
-
-@pytest.fixture(scope="module")
-def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("quant-lib"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from ifb.plugins.grouped_experts import (
     grouped_experts_call,
     reference_grouped_experts,
 )
-from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+from ifb.plugins.quant_build import QuantLibrary
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat, dequantize, quantize, quantize_mxfp4
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 64, 6, 2
@@ -43,13 +43,6 @@ CASES = [
     (WeightFormat.MXFP4, WeightCompute.INT8),
 ]
 IDS = [f"{fmt.value if fmt else 'bf16'}-{compute.value}" for fmt, compute in CASES]
-
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    built = build_quant_library(tmp_path_factory.mktemp("grouped-experts-lib"))
-    load_quant_library(built.path, built.required_features)
-    return built
 
 
 class Experts:
@@ -100,7 +93,7 @@ def routing(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_the_op_is_the_per_row_per_expert_definition(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     """Against float64 on the kernel's exact weights: fp32 rounding only (dense, block fp32), or
     the int8 activations' quantization (~1% of the output's scale)."""
@@ -115,7 +108,7 @@ def test_the_op_is_the_per_row_per_expert_definition(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_a_rows_bits_are_the_same_alone_and_in_any_batch(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     experts = Experts(fmt, compute, seed=1)
     x = random_x(21, HIDDEN, seed=5)
@@ -130,7 +123,7 @@ def test_a_rows_bits_are_the_same_alone_and_in_any_batch(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_experts_no_row_selects_are_not_read(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     """Rows routed to experts 0-2 only: experts 3-5 hold NaN (dense) or NaN scales (blocks), and the
     output is finite and the rows' own."""
@@ -154,7 +147,7 @@ def test_experts_no_row_selects_are_not_read(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_every_row_on_the_same_expert_is_each_row_alone(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     experts = Experts(fmt, compute, seed=3)
     rows = 17
@@ -169,7 +162,7 @@ def test_every_row_on_the_same_expert_is_each_row_alone(
     assert error < (2e-2 if compute is WeightCompute.INT8 else 1e-5), error
 
 
-def test_an_expert_id_outside_the_experts_is_refused(library: QuantLibrary) -> None:
+def test_an_expert_id_outside_the_experts_is_refused(quant_library: QuantLibrary) -> None:
     experts = Experts(DENSE, WeightCompute.FP32)
     x = random_x(2, HIDDEN, seed=11)
     ids, weights = routing(2, seed=12)
@@ -179,7 +172,7 @@ def test_an_expert_id_outside_the_experts_is_refused(library: QuantLibrary) -> N
 
 
 @pytest.mark.parametrize("compute", [WeightCompute.FP32, WeightCompute.INT8], ids=["fp32", "int8"])
-def test_k_quant_experts_of_two_formats(library: QuantLibrary, compute: WeightCompute) -> None:
+def test_k_quant_experts_of_two_formats(quant_library: QuantLibrary, compute: WeightCompute) -> None:
     """Q4_K_M's expert layout: gate/up Q4_K, down Q6_K (256-weight super-blocks, so 256 wide):
     the definition on the blocks' exact weights, and each row's bits alone as in the batch."""
     width, experts = 256, 3
@@ -206,7 +199,7 @@ def test_k_quant_experts_of_two_formats(library: QuantLibrary, compute: WeightCo
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16_bit_activations_are_widened_and_the_result_rounded_inside(
-    library: QuantLibrary, dtype: torch.dtype
+    quant_library: QuantLibrary, dtype: torch.dtype
 ) -> None:
     """A 16-bit engine passes x and the routing weights in its dtype: the result is the float32
     op on them widened, rounded to that dtype once (bit for bit), so a compiled graph has no cast
@@ -264,7 +257,7 @@ def _pairs(ids: torch.Tensor) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_the_variant_is_the_per_row_per_expert_definition(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     """Clamped SwiGLU and both biases against float64 on the kernel's exact weights, on rows where
     the clamps act (a tenth or more of the gate and up values past the limit); and the op moves by
@@ -296,7 +289,7 @@ def test_the_variant_is_the_per_row_per_expert_definition(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_a_rows_bits_are_the_same_alone_and_in_any_batch_with_the_variant(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     experts = VariantExperts(fmt, compute, seed=1)
     x = random_x(21, HIDDEN, seed=5)
@@ -311,7 +304,7 @@ def test_a_rows_bits_are_the_same_alone_and_in_any_batch_with_the_variant(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_the_variants_unselected_experts_and_their_biases_are_not_read(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     """Rows routed to experts 0-2 only: experts 3-5's weights and biases NaN, the output the clean
     one; selected, the poison shows."""
@@ -335,7 +328,7 @@ def test_the_variants_unselected_experts_and_their_biases_are_not_read(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_every_row_on_the_same_expert_with_the_variant_is_each_row_alone(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     experts = VariantExperts(fmt, compute, seed=3)
     rows = 17
@@ -352,7 +345,7 @@ def test_every_row_on_the_same_expert_with_the_variant_is_each_row_alone(
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_the_plain_fields_without_biases_are_the_plain_op_bit_for_bit(
-    library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
     experts = Experts(fmt, compute, seed=5)
     x = random_x(11, HIDDEN, seed=15)
@@ -380,7 +373,7 @@ def test_the_plain_fields_without_biases_are_the_plain_op_bit_for_bit(
     ],
 )
 def test_variant_fields_are_read_by_name_and_the_unknown_refused(
-    library: QuantLibrary, fields: str, message: str
+    quant_library: QuantLibrary, fields: str, message: str
 ) -> None:
     experts = Experts(DENSE, WeightCompute.FP32)
     x = random_x(2, HIDDEN, seed=17)
@@ -391,7 +384,7 @@ def test_variant_fields_are_read_by_name_and_the_unknown_refused(
         )
 
 
-def test_a_bias_of_the_wrong_shape_is_refused(library: QuantLibrary) -> None:
+def test_a_bias_of_the_wrong_shape_is_refused(quant_library: QuantLibrary) -> None:
     experts = VariantExperts(DENSE, WeightCompute.FP32)
     x = random_x(2, HIDDEN, seed=19)
     ids, weights = routing(2, seed=20)

@@ -12,25 +12,18 @@ other ISA builds this CPU runs must give this build's bits.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_builds import KernelBuilds
+from other_isa import other_isa_build, run_in_build
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
+from ifb.plugins.quant_build import QuantIsa, QuantLibrary
 from ifb.plugins.quant_formats import WeightFormat
 
 N, K, M = 32, 512, 10
-
-
-@pytest.fixture(scope="module")
-def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("quant-lib-extremes"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 def extreme_q6_k() -> torch.Tensor:
@@ -58,30 +51,17 @@ def test_extreme_q6_k_dots_are_exact(quant_library: QuantLibrary) -> None:
     assert torch.equal(y.to(torch.float64), reference)
 
 
-_OTHER_BUILD = """
-import sys, torch
-from pathlib import Path
-from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import load_quant_library
-from ifb.plugins.quant_formats import WeightFormat
-assert load_quant_library(Path(sys.argv[1]), []) == sys.argv[4]
-x, packed = torch.load(sys.argv[2])
-torch.save(quant_ops.quant_linear_int8(x, packed, WeightFormat.Q6_K, int(sys.argv[5]), x.shape[1]), sys.argv[3])
+_PRODUCT = """
+x, packed, n = cases
+out = quant_ops.quant_linear_int8(x, packed, WeightFormat.Q6_K, n, x.shape[1])
 """
 
 
 @pytest.mark.parametrize("isa", [QuantIsa.AVX2, QuantIsa.AVX512])
 def test_other_isa_builds_give_the_same_bits_at_the_extremes(
-    quant_library: QuantLibrary, tmp_path: Path, isa: QuantIsa
+    quant_library: QuantLibrary, kernel_builds: KernelBuilds, tmp_path: Path, isa: QuantIsa
 ) -> None:
-    if isa.value == quant_library.isa.value:
-        pytest.skip(f"{isa.value} is this machine's own build")
-    other = build_quant_library(tmp_path / isa.value, isa)
-    if not set(other.required_features) <= cpu_features():
-        pytest.skip(f"this CPU cannot run the {isa.value} path")
+    other = other_isa_build(kernel_builds, isa)
     x, packed = extreme_x(), quant_ops.pack_int8(extreme_q6_k(), WeightFormat.Q6_K, N, K)
-    torch.save((x, packed), tmp_path / "case.pt")
-    command = [sys.executable, "-c", _OTHER_BUILD, str(other.path), str(tmp_path / "case.pt"), str(tmp_path / "y.pt")]
-    result = subprocess.run([*command, isa.value, str(N)], capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert torch.equal(torch.load(tmp_path / "y.pt"), quant_ops.quant_linear_int8(x, packed, WeightFormat.Q6_K, N, K))
+    theirs = run_in_build(other, _PRODUCT, (x, packed, N), tmp_path)
+    assert torch.equal(theirs, quant_ops.quant_linear_int8(x, packed, WeightFormat.Q6_K, N, K))

@@ -9,8 +9,6 @@ refuses an id outside the table; the AVX2 and AVX-512-without-VNNI builds give t
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,10 +16,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from kernel_builds import KernelBuilds
+from other_isa import other_isa_build, run_in_build
 from quant_cases import random_blocks, random_x
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
+from ifb.plugins.quant_build import QuantIsa, QuantLibrary
 from ifb.plugins.quant_formats import (
     BLOCK_SIZE,
     GGUF_TYPE_NAMES,
@@ -44,13 +44,6 @@ NEW_FORMATS = [
 ]
 ALL_FORMATS = [fmt for fmt in WeightFormat if fmt.is_block]
 PACKERS = {WeightCompute.FP32: quant_ops.pack, WeightCompute.INT8: quant_ops.pack_int8}
-
-
-@pytest.fixture(scope="module")
-def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("quant-lib-kquant"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 def bits(values: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -231,31 +224,22 @@ def test_quant_linear_module_runs_a_k_quant(quant_library: QuantLibrary, compute
     assert torch.equal(layer(x), matmul(compute, x, layer.packed, fmt, n))
 
 
-_OTHER_BUILD = """
-import sys, torch
-from pathlib import Path
-from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import load_quant_library
-from ifb.plugins.quant_formats import WeightCompute, WeightFormat
-assert load_quant_library(Path(sys.argv[1]), []) == sys.argv[4]
+_PRODUCTS_AND_ROWS = """
 ops = {"fp32": quant_ops.quant_linear, "int8": quant_ops.quant_linear_int8}
 out = []
-for x, p, f, n, compute in torch.load(sys.argv[2]):
+for x, p, f, n, compute in cases:
     fmt = WeightFormat(f)
     out.append(ops[compute](x, p, fmt, n, x.shape[1]))
     out.append(quant_ops.quant_embedding(torch.arange(n), p, fmt, WeightCompute(compute), n, x.shape[1]))
-torch.save(out, sys.argv[3])
 """
 
 
 @pytest.mark.parametrize("isa", [QuantIsa.AVX2, QuantIsa.AVX512])
-def test_other_isa_builds_give_the_same_bits(quant_library: QuantLibrary, tmp_path: Path, isa: QuantIsa) -> None:
+def test_other_isa_builds_give_the_same_bits(
+    quant_library: QuantLibrary, kernel_builds: KernelBuilds, tmp_path: Path, isa: QuantIsa
+) -> None:
     """AVX2 (maddubs, two ymm per vector) and AVX-512 without VNNI give this build's exact bits, both modes."""
-    if isa.value == quant_library.isa.value:
-        pytest.skip(f"{isa.value} is this machine's own build")
-    other = build_quant_library(tmp_path / isa.value, isa)
-    if not set(other.required_features) <= cpu_features():
-        pytest.skip(f"this CPU cannot run the {isa.value} path")
+    other = other_isa_build(kernel_builds, isa)
     cases = []
     for index, fmt in enumerate(NEW_FORMATS):
         n, k = 45, 512
@@ -264,11 +248,7 @@ def test_other_isa_builds_give_the_same_bits(quant_library: QuantLibrary, tmp_pa
             cases += [
                 (random_x(m, k, seed=m), packer(blocks, fmt, n, k), fmt.value, n, compute.value) for m in (1, 3, 7, 20)
             ]
-    torch.save(cases, tmp_path / "cases.pt")
-    command = [sys.executable, "-c", _OTHER_BUILD, str(other.path), str(tmp_path / "cases.pt"), str(tmp_path / "y.pt")]
-    result = subprocess.run([*command, isa.value], capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    theirs = torch.load(tmp_path / "y.pt")
+    theirs = run_in_build(other, _PRODUCTS_AND_ROWS, cases, tmp_path)
     for index, (x, packed, fmt, n, compute) in enumerate(cases):
         product = matmul(WeightCompute(compute), x, packed, WeightFormat(fmt), n)
         rows = quant_ops.quant_embedding(

@@ -16,7 +16,7 @@ import torch
 
 from ifb.plugins.attention import _decode_attention, _gather_blocks
 from ifb.plugins.kv_format import dequantize_q8_0, q8_0_head_dim, quantize_q8_0
-from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+from ifb.plugins.quant_build import QuantLibrary
 from ifb.runtime.engine_format import KV_Q8_0, kv_format_error, kv_row_bytes
 from ifb.runtime.prefix_disk_tier import PrefixDiskTier, PrefixDiskTierConfig
 
@@ -77,13 +77,6 @@ def test_q8_0_rows_take_about_half_of_fp16s_bytes() -> None:
     assert kv_row_bytes(128, KV_Q8_0) / kv_row_bytes(128, "float16") == 136 / 256
 
 
-@pytest.fixture(scope="module")
-def kernel_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("attention-lib"))
-    load_quant_library(library.path, library.required_features)
-    return library
-
-
 def q8_0_case(rows: int, heads: int, kv_heads: int, head_dim: int, seed: int) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed)
     k_pool = quantize_q8_0(torch.randn(SLOTS, kv_heads, head_dim, generator=generator))
@@ -97,7 +90,7 @@ def q8_0_case(rows: int, heads: int, kv_heads: int, head_dim: int, seed: int) ->
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 128)])
 def test_kernel_reads_q8_0_pools_as_the_torch_path(
-    kernel_library: QuantLibrary, heads: int, kv_heads: int, head_dim: int
+    quant_library: QuantLibrary, heads: int, kv_heads: int, head_dim: int
 ) -> None:
     """The kernel dequantizes each row as it loads it; the torch path dequantizes the gathered
     blocks: the same values, so the outputs differ by fp32 summation order only (< 2e-6, as
@@ -113,7 +106,7 @@ def test_kernel_reads_q8_0_pools_as_the_torch_path(
     assert torch.equal(got[0], one_value)  # a single key: softmax weight 1, the row's exact values
 
 
-def test_kernel_rows_over_q8_0_are_bitwise_batch_invariant(kernel_library: QuantLibrary) -> None:
+def test_kernel_rows_over_q8_0_are_bitwise_batch_invariant(quant_library: QuantLibrary) -> None:
     q, k_pool, v_pool, tables, lengths = q8_0_case(10, 9, 3, 64, seed=5)
     together = torch.ops.ifb_quant.paged_decode_attention(q, k_pool, v_pool, tables, lengths, BLOCK, 0.125)
     for row in range(10):
@@ -123,7 +116,7 @@ def test_kernel_rows_over_q8_0_are_bitwise_batch_invariant(kernel_library: Quant
         assert torch.equal(alone[0], together[row])
 
 
-def test_kernel_refuses_a_q8_0_pool_of_the_wrong_width(kernel_library: QuantLibrary) -> None:
+def test_kernel_refuses_a_q8_0_pool_of_the_wrong_width(quant_library: QuantLibrary) -> None:
     q, k_pool, v_pool, tables, lengths = q8_0_case(2, 4, 2, 64, seed=1)
     with pytest.raises(RuntimeError, match="must match the pools' rows"):
         torch.ops.ifb_quant.paged_decode_attention(

@@ -18,7 +18,7 @@ import torch
 from engine_records import SPEC
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+from ifb.plugins.quant_build import QuantLibrary
 from ifb.runtime.engine_format import ModelSpec, RouterScoring
 from ifb.runtime.step.moe_block import MoeBlock
 
@@ -31,13 +31,6 @@ GPT_OSS = replace(
     swiglu_alpha=1.702,
     swiglu_limit=7.0,
 )
-
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    built = build_quant_library(tmp_path_factory.mktemp("moe-block-lib"))
-    load_quant_library(built.path, built.required_features)
-    return built
 
 
 class _OpNames(TorchDispatchMode):
@@ -63,7 +56,7 @@ def _block(spec: ModelSpec, seed: int = 0) -> MoeBlock:
 
 @pytest.mark.parametrize(("spec", "op"), [(MOE, "grouped_experts"), (GPT_OSS, "grouped_experts_variant")])
 def test_the_block_calls_the_plain_op_unless_its_experts_need_the_variant(
-    library: QuantLibrary, spec: ModelSpec, op: str
+    quant_library: QuantLibrary, spec: ModelSpec, op: str
 ) -> None:
     with _OpNames() as recorded:
         _block(spec)(torch.randn(3, spec.hidden_size))

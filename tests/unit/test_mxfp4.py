@@ -19,18 +19,11 @@ import pytest
 import torch
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+from ifb.plugins.quant_build import QuantLibrary
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat, dequantize, quantize_mxfp4
 
 MXFP4 = WeightFormat.MXFP4
 GGUF_MXFP4 = gguf.GGMLQuantizationType.MXFP4
-
-
-@pytest.fixture(scope="module")
-def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("quant-lib-mxfp4"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 def bits(values: torch.Tensor | np.ndarray) -> np.ndarray:

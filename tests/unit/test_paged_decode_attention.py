@@ -12,30 +12,23 @@ every variant field too); bad tables and variant fields are refused instead of r
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_builds import KernelBuilds
+from other_isa import other_isa_build, run_in_build
 
 from ifb.plugins.attention import _decode_attention, _gather_blocks, paged_attention, paged_attention_decode_kernel
 from ifb.plugins.attention_reference import paged_attention_reference
 from ifb.plugins.attention_variant import AttentionVariant
 from ifb.plugins.kv_format import quantize_q8_0
 from ifb.plugins.layout import AttentionLayout
-from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
+from ifb.plugins.quant_build import QuantIsa, QuantLibrary
 from ifb.runtime.step.step_inputs import RequestSlice, build_step_inputs
 
 BLOCK = 16
 SLOTS = 128 * BLOCK
-
-
-@pytest.fixture(scope="module")
-def kernel_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("attention-lib"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 def case(
@@ -66,7 +59,7 @@ def kernel(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 2, 32)])
 def test_matches_the_compiled_torch_path(
-    kernel_library: QuantLibrary, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+    quant_library: QuantLibrary, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
     q, k_pool, v_pool, tables, lengths = case(7, heads, kv_heads, head_dim, dtype, seed=heads + head_dim)
     keys, values = _gather_blocks(k_pool, tables, BLOCK), _gather_blocks(v_pool, tables, BLOCK)
@@ -81,7 +74,7 @@ def test_matches_the_compiled_torch_path(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rows_are_bitwise_batch_invariant(kernel_library: QuantLibrary, threads: int) -> None:
+def test_rows_are_bitwise_batch_invariant(quant_library: QuantLibrary, threads: int) -> None:
     q, k_pool, v_pool, tables, lengths = case(12, 9, 3, 64, torch.float32, seed=5)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -105,7 +98,7 @@ def windowed(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [1, 5, 16, 37])
-def test_a_window_reads_only_each_rows_last_keys(kernel_library: QuantLibrary, dtype: torch.dtype, window: int) -> None:
+def test_a_window_reads_only_each_rows_last_keys(quant_library: QuantLibrary, dtype: torch.dtype, window: int) -> None:
     """Sliding window (Mistral): a row of length L attends to keys [L - window, L), as the
     compiled torch path masked to them; rows shorter than the window see all their keys, bitwise
     as without a window; window 1 is the last key's value exactly."""
@@ -130,7 +123,7 @@ def test_a_window_reads_only_each_rows_last_keys(kernel_library: QuantLibrary, d
         assert torch.equal(got, last.float().repeat_interleave(3, dim=1))
 
 
-def test_windowed_rows_are_bitwise_batch_invariant(kernel_library: QuantLibrary) -> None:
+def test_windowed_rows_are_bitwise_batch_invariant(quant_library: QuantLibrary) -> None:
     q, k_pool, v_pool, tables, lengths = case(12, 9, 3, 64, torch.float32, seed=8)
     together = windowed(q, k_pool, v_pool, tables, lengths, 20)
     order = torch.randperm(12, generator=torch.Generator().manual_seed(2))
@@ -155,7 +148,7 @@ def capped(
 
 
 @pytest.mark.parametrize("window", [0, 20])
-def test_a_softcap_bends_each_score_as_the_torch_path(kernel_library: QuantLibrary, window: int) -> None:
+def test_a_softcap_bends_each_score_as_the_torch_path(quant_library: QuantLibrary, window: int) -> None:
     """Scores s -> cap * tanh(s / cap) before the softmax (q scaled so scores reach several caps,
     where the cap changes the output by far more than rounding); cap 0 is the uncapped op, bitwise;
     rows stay bitwise batch invariant."""
@@ -184,7 +177,7 @@ def sink_logits(heads: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", [AttentionVariant(), AttentionVariant(window=20, softcap=5.0)])
 def test_sinks_join_each_heads_softmax_as_the_torch_path(
-    kernel_library: QuantLibrary, dtype: torch.dtype, variant: AttentionVariant
+    quant_library: QuantLibrary, dtype: torch.dtype, variant: AttentionVariant
 ) -> None:
     """gpt-oss: a sink logit per query head joins the max and the denominator and weights no
     value. Within rounding of the torch path (with the variant's other fields at once); a row of
@@ -222,7 +215,7 @@ def test_sinks_join_each_heads_softmax_as_the_torch_path(
         assert torch.equal(alone[0], got[row]), row
 
 
-def test_the_ops_before_the_contract_give_its_bits(kernel_library: QuantLibrary) -> None:
+def test_the_ops_before_the_contract_give_its_bits(quant_library: QuantLibrary) -> None:
     """Engines built before the one attention op call paged_decode_attention{,_window,_softcap}
     through their own shims: those ops stay, and give exactly the contract's bits."""
     q, k_pool, v_pool, tables, lengths = case(9, 9, 3, 64, torch.float16, seed=21)
@@ -245,13 +238,13 @@ def test_the_ops_before_the_contract_give_its_bits(kernel_library: QuantLibrary)
         ("window=-3", "sliding window must be >= 0"),
     ],
 )
-def test_variant_fields_are_checked_by_name(kernel_library: QuantLibrary, variant: str, message: str) -> None:
+def test_variant_fields_are_checked_by_name(quant_library: QuantLibrary, variant: str, message: str) -> None:
     q, k_pool, v_pool, tables, lengths = case(2, 4, 2, 16, torch.float32, seed=6)
     with pytest.raises(RuntimeError, match=message):
         kernel(q, k_pool, v_pool, tables, lengths, variant)
 
 
-def test_sinks_of_another_shape_or_dtype_are_refused(kernel_library: QuantLibrary) -> None:
+def test_sinks_of_another_shape_or_dtype_are_refused(quant_library: QuantLibrary) -> None:
     q, k_pool, v_pool, tables, lengths = case(2, 4, 2, 16, torch.float32, seed=6)
     for bad in (torch.zeros(2), torch.zeros(4, 1), torch.zeros(4, dtype=torch.bfloat16)):
         with pytest.raises(RuntimeError, match="sinks must be float32"):
@@ -284,7 +277,7 @@ def mixed_step(seed: int) -> tuple[torch.Tensor, AttentionLayout]:
     ],
 )
 def test_every_path_honours_the_variant_and_sinks(
-    kernel_library: QuantLibrary, variant: AttentionVariant, with_sinks: bool
+    quant_library: QuantLibrary, variant: AttentionVariant, with_sinks: bool
 ) -> None:
     """The contract, one meaning on every path: the torch path (SDPA or explicit scores) and the
     kernel path (prompt rows one by one) equal the per-request reference loop on a step mixing
@@ -314,7 +307,7 @@ def test_variant_fields_round_trip_exactly() -> None:
         AttentionVariant(window=0)
 
 
-def test_out_of_pool_tables_and_lengths_are_refused(kernel_library: QuantLibrary) -> None:
+def test_out_of_pool_tables_and_lengths_are_refused(quant_library: QuantLibrary) -> None:
     q, k_pool, v_pool, tables, lengths = case(2, 4, 2, 16, torch.float32, seed=6)
     bad = tables.clone()
     bad[1, 0] = SLOTS // BLOCK
@@ -324,26 +317,19 @@ def test_out_of_pool_tables_and_lengths_are_refused(kernel_library: QuantLibrary
         kernel(q, k_pool, v_pool, tables, lengths + 9 * BLOCK)
 
 
-_OTHER_BUILD = """
-import sys, torch
-from pathlib import Path
-from ifb.plugins.quant_build import load_quant_library
-assert load_quant_library(Path(sys.argv[1]), []) == sys.argv[4]
-cases = torch.load(sys.argv[2])
-torch.save([torch.ops.ifb_quant.paged_attention(*case[:5], 16, 0.125, *case[5:]) for case in cases], sys.argv[3])
+_ATTEND = """
+out = [torch.ops.ifb_quant.paged_attention(*case[:5], 16, 0.125, *case[5:]) for case in cases]
 """
 
 
 @pytest.mark.parametrize("isa", [QuantIsa.AVX2, QuantIsa.AVX512])
-def test_other_isa_builds_give_the_same_bits(kernel_library: QuantLibrary, tmp_path: Path, isa: QuantIsa) -> None:
+def test_other_isa_builds_give_the_same_bits(
+    quant_library: QuantLibrary, kernel_builds: KernelBuilds, tmp_path: Path, isa: QuantIsa
+) -> None:
     """AVX2 (two ymm per 16-lane vector) and AVX-512 builds attend to exactly this build's bits,
     every pool dtype, q8_0 rows included, every variant field and sinks: an engine's batch invariance
     holds on each ISA path it can be built for."""
-    if isa.value == kernel_library.isa.value:
-        pytest.skip(f"{isa.value} is this machine's own build")
-    other = build_quant_library(tmp_path / isa.value, isa)
-    if not set(other.required_features) <= cpu_features():
-        pytest.skip(f"this CPU cannot run the {isa.value} path")
+    other = other_isa_build(kernel_builds, isa)
     cases: list[tuple[object, ...]] = [
         (*case(5, 9, 3, 64, dtype, seed=index), "", None)
         for index, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16))
@@ -353,16 +339,5 @@ def test_other_isa_builds_give_the_same_bits(kernel_library: QuantLibrary, tmp_p
     for heads, kv_heads, head_dim, seed in ((9, 3, 64, 8), (4, 2, 16, 9)):  # --kv-dtype q8_0 pools
         q, k_pool, v_pool, tables, lengths = case(5, heads, kv_heads, head_dim, torch.float32, seed)
         cases.append((q, quantize_q8_0(k_pool), quantize_q8_0(v_pool), tables, lengths, "", None))
-    torch.save(cases, tmp_path / "cases.pt")
-    command = [
-        sys.executable,
-        "-c",
-        _OTHER_BUILD,
-        str(other.path),
-        str(tmp_path / "cases.pt"),
-        str(tmp_path / "out.pt"),
-    ]
-    result = subprocess.run([*command, isa.value], capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    for index, (theirs, inputs) in enumerate(zip(torch.load(tmp_path / "out.pt"), cases, strict=True)):
+    for index, (theirs, inputs) in enumerate(zip(run_in_build(other, _ATTEND, cases, tmp_path), cases, strict=True)):
         assert torch.equal(theirs, kernel(*inputs)), f"case {index}"

@@ -13,26 +13,19 @@ it rows one at a time are faster, plan_attention_tiles), so every shape here is 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_builds import KernelBuilds
+from other_isa import other_isa_build, run_in_build
 
 from ifb.plugins.kv_format import quantize_q8_0
-from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
+from ifb.plugins.quant_build import QuantIsa, QuantLibrary
 
 BLOCK = 16
 SLOTS = 64 * BLOCK
 TILE_ROWS = 8  # kAttentionTileRows in quant_kernels.h
-
-
-@pytest.fixture(scope="module")
-def kernel_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("prefill-attention-lib"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 def pools(kv_heads: int, head_dim: int, kv_dtype: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +88,7 @@ VARIANTS = [("", False), ("window=37", False), ("softcap=5.0", False), ("", True
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "q8_0"])
 @pytest.mark.parametrize(("variant", "with_sinks"), VARIANTS)
 def test_tiled_rows_are_decode_rows_bitwise(
-    kernel_library: QuantLibrary, kv_dtype: str, variant: str, with_sinks: bool
+    quant_library: QuantLibrary, kv_dtype: str, variant: str, with_sinks: bool
 ) -> None:
     """A 29-row chunk (not a multiple of the tile) after 70 cached tokens (not a multiple of a
     block or of 16 lanes): every row the bits it has alone, each pool dtype and variant field."""
@@ -109,7 +102,7 @@ def test_tiled_rows_are_decode_rows_bitwise(
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 2, 16), (16, 2, 32), (6, 2, 128), (3, 1, 256)])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "q8_0"])
 def test_every_head_dim_tiles_bitwise(
-    kernel_library: QuantLibrary, heads: int, kv_heads: int, head_dim: int, kv_dtype: str
+    quant_library: QuantLibrary, heads: int, kv_heads: int, head_dim: int, kv_dtype: str
 ) -> None:
     """Head dims 16..256, with head groups wider than one register block (16 heads of 16 or 8 of
     32: blocks of 16 and 8; 3 heads of 128 or 256: blocks of 2 and 1), a fresh prompt of 19 rows:
@@ -120,7 +113,7 @@ def test_every_head_dim_tiles_bitwise(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_chunk_splits_anywhere_with_the_same_bits(kernel_library: QuantLibrary, threads: int) -> None:
+def test_a_chunk_splits_anywhere_with_the_same_bits(quant_library: QuantLibrary, threads: int) -> None:
     """A 45-token prompt whole, or as chunks 0..12, 13..44 (tiles start at other rows), or with
     the first 20 rows cached: each row's bits depend on nothing but its own query and keys."""
     before = torch.get_num_threads()
@@ -137,7 +130,7 @@ def test_a_chunk_splits_anywhere_with_the_same_bits(kernel_library: QuantLibrary
         torch.set_num_threads(before)
 
 
-def test_a_mixed_step_tiles_by_request(kernel_library: QuantLibrary) -> None:
+def test_a_mixed_step_tiles_by_request(quant_library: QuantLibrary) -> None:
     """Two requests' chunks (11 rows fresh, 20 rows after 33 cached) around three decode rows, in
     one call as the engine makes it: tiles end where the block table changes, and every row
     still has its bits alone."""
@@ -153,7 +146,7 @@ def test_a_mixed_step_tiles_by_request(kernel_library: QuantLibrary) -> None:
     assert torch.equal(attend(q, k, v, tables, lengths), one_at_a_time(q, k, v, tables, lengths))
 
 
-def test_tiled_rows_match_the_softmax_of_their_own_keys(kernel_library: QuantLibrary) -> None:
+def test_tiled_rows_match_the_softmax_of_their_own_keys(quant_library: QuantLibrary) -> None:
     """Not only decode's bits but the right answer: each causal row is softmax(q K^T) V over its
     own keys, within fp32 rounding (float64 reference)."""
     k, v = pools(2, 32, "fp32", seed=11)
@@ -168,41 +161,23 @@ def test_tiled_rows_match_the_softmax_of_their_own_keys(kernel_library: QuantLib
             assert torch.allclose(got[r, h].double(), weights @ values[:n, h // 8], atol=2e-6), (r, h)
 
 
-_OTHER_BUILD = """
-import sys, torch
-from pathlib import Path
-from ifb.plugins.quant_build import load_quant_library
-assert load_quant_library(Path(sys.argv[1]), []) == sys.argv[4]
-cases = torch.load(sys.argv[2])
-torch.save([torch.ops.ifb_quant.paged_attention(*case[:5], 16, 0.125, *case[5:]) for case in cases], sys.argv[3])
+_ATTEND = """
+out = [torch.ops.ifb_quant.paged_attention(*case[:5], 16, 0.125, *case[5:]) for case in cases]
 """
 
 
 @pytest.mark.parametrize("isa", [QuantIsa.AVX2, QuantIsa.AVX512])
-def test_other_isa_builds_tile_to_the_same_bits(kernel_library: QuantLibrary, tmp_path: Path, isa: QuantIsa) -> None:
+def test_other_isa_builds_tile_to_the_same_bits(
+    quant_library: QuantLibrary, kernel_builds: KernelBuilds, tmp_path: Path, isa: QuantIsa
+) -> None:
     """AVX2 and AVX-512 builds give this build's bits for tiled rows, each pool dtype and the
     variant fields together."""
-    if isa.value == kernel_library.isa.value:
-        pytest.skip(f"{isa.value} is this machine's own build")
-    other = build_quant_library(tmp_path / isa.value, isa)
-    if not set(other.required_features) <= cpu_features():
-        pytest.skip(f"this CPU cannot run the {isa.value} path")
+    other = other_isa_build(kernel_builds, isa)
     cases: list[tuple[object, ...]] = []
     for index, kv_dtype in enumerate(("fp32", "fp16", "bf16", "q8_0")):
         k, v = pools(2, 64, kv_dtype, seed=20 + index)
         q, tables, lengths = chunk(21, 40, 8, 64, seed=30 + index)
         variant, sinks = ("window=20;softcap=5.0", sink_logits(8, index)) if index % 2 else ("", None)
         cases.append((q, k, v, tables, lengths, variant, sinks))
-    torch.save(cases, tmp_path / "cases.pt")
-    command = [
-        sys.executable,
-        "-c",
-        _OTHER_BUILD,
-        str(other.path),
-        str(tmp_path / "cases.pt"),
-        str(tmp_path / "out.pt"),
-    ]
-    result = subprocess.run([*command, isa.value], capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    for index, (theirs, inputs) in enumerate(zip(torch.load(tmp_path / "out.pt"), cases, strict=True)):
+    for index, (theirs, inputs) in enumerate(zip(run_in_build(other, _ATTEND, cases, tmp_path), cases, strict=True)):
         assert torch.equal(theirs, attend(*inputs)), f"case {index}"

@@ -16,7 +16,7 @@ import torch
 from quant_cases import random_blocks
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import QuantLibrary, build_quant_library, load_quant_library
+from ifb.plugins.quant_build import QuantLibrary
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
 
 VOCAB, HIDDEN, FMT = 40, 256, WeightFormat.Q6_K
@@ -35,13 +35,6 @@ class _TiedToy(torch.nn.Module):
         # clamp, not tanh: exact in both, where Inductor's vectorized tanh is 1 ulp off eager's on
         # some CPUs (AVX-512 + AMX Xeon: max 6e-8), which this test is not about
         return quant_ops.quant_linear_int8(h.clamp(-1.0, 1.0), self.table, FMT, VOCAB, HIDDEN)
-
-
-@pytest.fixture(scope="module")
-def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("quant-lib"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 @pytest.fixture(scope="module")

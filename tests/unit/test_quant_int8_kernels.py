@@ -8,26 +8,19 @@ AVX-512-without-VNNI builds (maddubs) give the VNNI build's exact bits.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_builds import KernelBuilds
+from other_isa import other_isa_build, run_in_build
 from quant_cases import random_blocks, random_x
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import QuantIsa, QuantLibrary, build_quant_library, cpu_features, load_quant_library
+from ifb.plugins.quant_build import QuantIsa, QuantLibrary
 from ifb.plugins.quant_formats import BLOCK_SIZE, WeightFormat, dequantize, quantize
 
 FORMATS = [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0]
-
-
-@pytest.fixture(scope="module")
-def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("quant-lib-int8"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 def int8_matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: WeightFormat, threads: int = 2) -> torch.Tensor:
@@ -135,33 +128,21 @@ def test_thread_count_does_not_change_bits(quant_library: QuantLibrary, fmt: Wei
         assert torch.equal(int8_matmul(x, blocks, fmt, 1), int8_matmul(x, blocks, fmt, 2))
 
 
-_OTHER_BUILD = """
-import sys, torch
-from pathlib import Path
-from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import load_quant_library
-assert load_quant_library(Path(sys.argv[1]), []) == sys.argv[4]
-cases = torch.load(sys.argv[2])
-torch.save([quant_ops.quant_linear_int8(x, p, quant_ops.WeightFormat(f), n, x.shape[1]) for x, p, f, n in cases], sys.argv[3])
+_PRODUCTS = """
+out = [quant_ops.quant_linear_int8(x, p, WeightFormat(f), n, x.shape[1]) for x, p, f, n in cases]
 """
 
 
 @pytest.mark.parametrize("isa", [QuantIsa.AVX2, QuantIsa.AVX512])
-def test_other_isa_builds_give_the_same_bits(quant_library: QuantLibrary, tmp_path: Path, isa: QuantIsa) -> None:
+def test_other_isa_builds_give_the_same_bits(
+    quant_library: QuantLibrary, kernel_builds: KernelBuilds, tmp_path: Path, isa: QuantIsa
+) -> None:
     """maddubs (AVX2, AVX-512 without VNNI) and vpdpbusd form the same exact integers."""
-    other = build_quant_library(tmp_path / isa.value, isa)
-    if not set(other.required_features) <= cpu_features():
-        pytest.skip(f"this CPU cannot run the {isa.value} path")
-    if isa.value == quant_library.isa.value:
-        pytest.skip(f"{isa.value} is this machine's own build")
+    other = other_isa_build(kernel_builds, isa)
     cases = []
     for index, fmt in enumerate(FORMATS):
         n, k = 45, 96
         packed = quant_ops.pack_int8(random_blocks(n, k, fmt, seed=9 + index), fmt, n, k)
         cases += [(random_x(m, k, seed=m), packed, fmt.value, n) for m in (1, 3, 7, 20)]
-    torch.save(cases, tmp_path / "cases.pt")
-    command = [sys.executable, "-c", _OTHER_BUILD, str(other.path), str(tmp_path / "cases.pt"), str(tmp_path / "y.pt")]
-    result = subprocess.run([*command, isa.value], capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    for (x, packed, fmt, n), y in zip(cases, torch.load(tmp_path / "y.pt"), strict=True):
+    for (x, packed, fmt, n), y in zip(cases, run_in_build(other, _PRODUCTS, cases, tmp_path), strict=True):
         assert torch.equal(y, quant_ops.quant_linear_int8(x, packed, WeightFormat(fmt), n, x.shape[1]))

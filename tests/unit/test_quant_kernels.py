@@ -9,8 +9,6 @@ build gives the AVX-512 build's exact bits; a CPU lacking a feature is refused i
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +16,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from kernel_builds import KernelBuilds
+from other_isa import run_in_build
 from quant_cases import random_blocks, random_x
 
 from ifb.plugins import quant_ops
@@ -25,7 +25,6 @@ from ifb.plugins.quant_build import (
     QuantIsa,
     QuantLibrary,
     QuantLibraryError,
-    build_quant_library,
     cpu_features,
     load_quant_library,
 )
@@ -37,13 +36,6 @@ _GGUF_TYPE = {
     WeightFormat.Q4_1: gguf.GGMLQuantizationType.Q4_1,
     WeightFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0,
 }
-
-
-@pytest.fixture(scope="module")
-def quant_library(tmp_path_factory: pytest.TempPathFactory) -> QuantLibrary:
-    library = build_quant_library(tmp_path_factory.mktemp("quant-lib"))
-    load_quant_library(library.path, library.required_features)
-    return library
 
 
 @pytest.fixture
@@ -154,34 +146,26 @@ def test_thread_count_does_not_change_bits(quant_library: QuantLibrary, fmt: Wei
         assert torch.equal(matmul_with_threads(1, x, packed, fmt, n), matmul_with_threads(2, x, packed, fmt, n))
 
 
-_AVX2_CHECK = """
-import sys, torch
-from pathlib import Path
-from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import load_quant_library
-assert load_quant_library(Path(sys.argv[1]), ["avx2", "fma", "f16c"]) == "avx2"
-cases = torch.load(sys.argv[2])
-torch.save([quant_ops.quant_linear(x, p, quant_ops.WeightFormat(f), n, x.shape[1]) for x, p, f, n in cases], sys.argv[3])
+_PRODUCTS = """
+out = [quant_ops.quant_linear(x, p, WeightFormat(f), n, x.shape[1]) for x, p, f, n in cases]
 """
 
 
 @pytest.mark.isa_path(QuantIsa.AVX2)
-def test_avx2_build_gives_the_avx512_bits(quant_library: QuantLibrary, tmp_path: Path) -> None:
+def test_avx2_build_gives_the_avx512_bits(
+    quant_library: QuantLibrary, kernel_builds: KernelBuilds, tmp_path: Path
+) -> None:
     """The AVX2+FMA+F16C build compiles and, run in a fresh process, matches this build's bits."""
     if not {"avx2", "fma", "f16c"} <= cpu_features():
         pytest.skip("this CPU cannot run the AVX2 path")
-    avx2 = build_quant_library(tmp_path / "avx2", QuantIsa.AVX2)
+    avx2 = kernel_builds.build(QuantIsa.AVX2)
     assert avx2.isa is QuantIsa.AVX2 and "avx512f" not in avx2.required_features
     cases = []
     for index, fmt in enumerate(FORMATS):
         n, k = 45, 96
         packed = quant_ops.pack(random_blocks(n, k, fmt, seed=9 + index), fmt, n, k)
         cases += [(random_x(m, k, seed=m), packed, fmt.value, n) for m in (1, 3, 7, 20)]
-    torch.save(cases, tmp_path / "cases.pt")
-    command = [sys.executable, "-c", _AVX2_CHECK, str(avx2.path), str(tmp_path / "cases.pt"), str(tmp_path / "y.pt")]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    for (x, packed, fmt, n), y in zip(cases, torch.load(tmp_path / "y.pt"), strict=True):
+    for (x, packed, fmt, n), y in zip(cases, run_in_build(avx2, _PRODUCTS, cases, tmp_path), strict=True):
         assert torch.equal(y, quant_ops.quant_linear(x, packed, WeightFormat(fmt), n, x.shape[1]))
 
 
