@@ -18,6 +18,7 @@ field keeps calling the same shim. Torch-free, so engine files and tests can bui
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -34,13 +35,19 @@ class AttentionVariant:
 
     def kernel_fields(self) -> str:
         """The kernel op's `variant` argument: `name=value` fields joined by ';' ('' = plain).
-        The float is written by repr, which round-trips exactly through the binding's stod."""
-        fields = []
-        if self.window is not None:
-            fields.append(f"window={self.window}")
-        if self.softcap is not None:
-            fields.append(f"softcap={float(self.softcap)!r}")
-        return ";".join(fields)
+        The float is written by repr, which round-trips exactly through the binding's stod.
+        Formatted once per variant: the eager step asks for it per layer and step."""
+        return _kernel_fields(self)
+
+
+@functools.cache
+def _kernel_fields(variant: AttentionVariant) -> str:
+    fields = []
+    if variant.window is not None:
+        fields.append(f"window={variant.window}")
+    if variant.softcap is not None:
+        fields.append(f"softcap={float(variant.softcap)!r}")
+    return ";".join(fields)
 
 
 PLAIN = AttentionVariant()
