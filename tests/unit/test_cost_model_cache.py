@@ -19,10 +19,10 @@ from tiny_models import TINY_LIMITS
 from ifb.builder import calibrate as calibrate_module
 from ifb.builder.build import BuildOptions, build_engine
 from ifb.builder.calibrate import calibrate_engine_folder
-from ifb.runtime.step_budget.cost_model_cache import CostModelCache, CostModelKey
 from ifb.runtime.engine_format import EngineConfig
 from ifb.runtime.step_budget.calibration import NOISY_FIT
 from ifb.runtime.step_budget.cost_model import StepCostModel
+from ifb.runtime.step_budget.cost_model_cache import CostModelCache, CostModelKey
 
 MODEL = StepCostModel(4.0, 0.25, 0.5, 0.001, 1e-6, 0.1)
 
