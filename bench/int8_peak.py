@@ -7,7 +7,9 @@ VNNI the `vpmaddubsw` + `vpmaddwd` + `vpaddd` sequence the kernels use instead (
 multiply-adds per three instructions). Twelve independent accumulators cover the instruction's
 latency. The loop is compiled here with the same flags as the kernel library's ISA path
 (plugins/quant_build.py), one OpenMP thread per torch thread. AMX tiles (`tdpbusd`) are not
-measured: the kernels do not use them.
+measured: the kernels do not use them. `measure_fp32_peak` runs the same loop on `vfmadd231ps`, the
+fp32 FMA the attention kernels are made of (bench/prefill_attention.py --peaks prices attention
+with it).
 
     .venv/bin/python bench/int8_peak.py [--rows 512] [--shapes smollm2|llama1b]
 """
@@ -84,20 +86,33 @@ _VARIANTS: dict[QuantIsa, tuple[str, int, str]] = {
         "vpmaddubsw+vpmaddwd+vpaddd ymm",
     ),
 }
+# The fp32 FMA loop each path's attention kernel runs on (plugins/csrc/simd16.h: one zmm, or two
+# ymm, per 16 lanes): its peak bounds what fp32 attention can cost (bench/prefill_attention.py).
+_FP32_VARIANTS: dict[QuantIsa, tuple[str, int, str]] = {
+    isa: (
+        f"#define VEC __m{bits}\n#define SET1 _mm{bits}_set1_ps\n#define ZERO _mm{bits}_setzero_ps\n"
+        f"#define ADD _mm{bits}_add_ps\n#define STORE(p, v) _mm{bits}_store_ps((float*)(p), v)\n"
+        f"#define DOT(c, a, b) _mm{bits}_fmadd_ps(a, b, c)\n",
+        bits // 32,
+        f"vfmadd231ps {'zmm' if bits == 512 else 'ymm'}",
+    )
+    for isa, bits in ((QuantIsa.AVX512_VNNI, 512), (QuantIsa.AVX512, 512), (QuantIsa.AVX2, 256))
+}
 _FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_vnni": "-mavx512vnni"}
 _ACCUMULATORS = 12
 
 
 @dataclass(frozen=True, slots=True)
-class Int8Peak:
+class Peak:
+    """A loop's multiply-adds per second on one ISA path's vectors, with its instruction and threads."""
+
     isa: QuantIsa
     instruction: str
     threads: int
     macs_per_s: float
 
 
-def _compile(isa: QuantIsa, folder: Path) -> ctypes.CDLL:
-    macros, _, _ = _VARIANTS[isa]
+def _compile(isa: QuantIsa, macros: str, folder: Path) -> ctypes.CDLL:
     source = folder / "dot_loop.cpp"
     source.write_text(macros + _LOOP)
     library = folder / "dot_loop.so"
@@ -110,14 +125,24 @@ def _compile(isa: QuantIsa, folder: Path) -> ctypes.CDLL:
     return loop
 
 
-def measure_int8_peak(isa: QuantIsa | None = None, threads: int | None = None, repeats: int = 50) -> Int8Peak:
+def measure_int8_peak(isa: QuantIsa | None = None, threads: int | None = None, repeats: int = 50) -> Peak:
     """The fastest of `repeats` timed loops (noise from other work only slows a loop down)."""
     chosen = isa or best_isa(cpu_features())
+    return _measure_peak(chosen, _VARIANTS[chosen], threads, repeats)
+
+
+def measure_fp32_peak(isa: QuantIsa | None = None, threads: int | None = None, repeats: int = 50) -> Peak:
+    """The fp32 FMA loop's peak on the path's vectors, measured as the int8 one is."""
+    chosen = isa or best_isa(cpu_features())
+    return _measure_peak(chosen, _FP32_VARIANTS[chosen], threads, repeats)
+
+
+def _measure_peak(chosen: QuantIsa, variant: tuple[str, int, str], threads: int | None, repeats: int) -> Peak:
     threads = threads or torch.get_num_threads()
-    _, macs_per_dot, instruction = _VARIANTS[chosen]
+    macros, macs_per_dot, instruction = variant
     iterations = 100_000  # ~2 ms a loop: short, like one kernel call, so both catch the quiet moments of a busy machine
-    with tempfile.TemporaryDirectory(prefix="ifb-int8-peak-") as scratch:
-        loop = _compile(chosen, Path(scratch))
+    with tempfile.TemporaryDirectory(prefix="ifb-peak-") as scratch:
+        loop = _compile(chosen, macros, Path(scratch))
         loop.dot_loop(10_000, threads)  # threads started, clocks up
         best = float("inf")
         for _ in range(repeats):
@@ -125,7 +150,7 @@ def measure_int8_peak(isa: QuantIsa | None = None, threads: int | None = None, r
             loop.dot_loop(iterations, threads)
             best = min(best, time.perf_counter() - start)
     macs = iterations * _ACCUMULATORS * macs_per_dot * threads
-    return Int8Peak(chosen, instruction, threads, macs / best)
+    return Peak(chosen, instruction, threads, macs / best)
 
 
 def kernel_macs_per_s(rows: int, n: int, k: int, type_name: str, repeats: int = 50) -> float:

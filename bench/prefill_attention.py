@@ -17,6 +17,13 @@ block kernel on random valid blocks: Llama-3.2-1B's Q4_K/Q6_K, SmolLM2's Q4_1) a
 the attention calls, and prints layers x (matmuls + attention) for a fresh prompt and for the
 chunk over the cache: the step's two big parts, not a compiled engine step (norms, RoPE, the
 LM head and the step's Python are left out, which makes the printed ratio an upper bound).
+
+With --peaks (implies --layer-step) it measures this machine's int8 dot and fp32 FMA peaks
+(bench/int8_peak.py's loops), prints the multiply-adds each part does and the fraction of its peak
+it reached, and the least cached / fresh ratio fp32 attention allows: attention at the fp32 FMA
+peak beside the matmuls as measured, and beside matmuls at 75% of the int8 peak (#38's target).
+A chunk over a long cache does (cached + chunk / 2) / (chunk / 2) times a fresh prompt's
+attention work; no fp32 kernel can make that cheaper than the peak.
 """
 
 from __future__ import annotations
@@ -121,6 +128,49 @@ def layer_matmuls(shape_name: str, rows: int) -> Callable[[], None]:
     return run
 
 
+def attention_macs(shape: Shape, chunk: int, cached: int) -> int:
+    """One layer's multiply-adds for `chunk` rows after `cached` tokens: each row's q.k and p.v
+    over its seq_len = position + 1 keys, every query head."""
+    keys = chunk * cached + chunk * (chunk + 1) // 2
+    return 2 * shape.heads * shape.head_dim * keys
+
+
+def matmul_macs(shape_name: str, rows: int) -> int:
+    sys.path[:0] = [str(ROOT / "bench")]
+    from kernel_ab import MATMULS
+
+    return rows * sum(n * k for n, k, _ in MATMULS[MATMUL_SHAPES[shape_name]])
+
+
+def report_peaks(shape_name: str, chunk: int, cached: int, ms: dict[str, float], matmul_ms: float) -> None:
+    """Each part's rate against its loop's peak, and the least cached / fresh ratio fp32 attention allows."""
+    sys.path[:0] = [str(ROOT / "bench")]
+    from int8_peak import measure_fp32_peak, measure_int8_peak
+
+    int8, fp32 = measure_int8_peak(), measure_fp32_peak()
+    print(
+        f"peaks: int8 {int8.macs_per_s / 1e9:.0f} G/s ({int8.instruction}), fp32 {fp32.macs_per_s / 1e9:.0f} G/s "
+        f"({fp32.instruction}), {fp32.threads} threads"
+    )
+    shape = SHAPES[shape_name]
+    matmul = matmul_macs(shape_name, chunk)
+    print(
+        f"  layer matmuls: {matmul / 1e9:.2f} G multiply-adds, {matmul / (matmul_ms / 1e3) / int8.macs_per_s:.0%} of int8"
+    )
+    floor_ms = {}
+    for label, context in (("fresh", 0), ("cached", cached)):
+        macs = attention_macs(shape, chunk, context)
+        floor_ms[label] = macs / fp32.macs_per_s * 1e3
+        print(
+            f"  attention {label}: {macs / 1e9:.2f} G multiply-adds, tiled at "
+            f"{floor_ms[label] / ms[f'tiled {label}']:.0%} of fp32 (floor {floor_ms[label]:.2f} ms)"
+        )
+    target_ms = matmul / (0.75 * int8.macs_per_s) * 1e3
+    for what, base in (("as measured", matmul_ms), ("at 75% of int8", target_ms)):
+        bound = (base + floor_ms["cached"]) / (base + floor_ms["fresh"])
+        print(f"  least cached / fresh with attention at the fp32 peak, matmuls {what}: {bound:.2f}x")
+
+
 def report(title: str, ms: dict[str, float]) -> None:
     print(f"{title}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}:")
     for name, value in ms.items():
@@ -140,7 +190,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layer-step", action="store_true")
+    parser.add_argument("--peaks", action="store_true", help="each part against its loop's peak (implies --layer-step)")
     args = parser.parse_args()
+    args.layer_step = args.layer_step or args.peaks
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         library = build_quant_library(Path(scratch))
@@ -157,6 +209,8 @@ def main() -> None:
         print(f"layer matmuls at {args.chunk} rows: {matmul_ms:.2f} ms")
         step = {name: layers * (matmul_ms + value) for name, value in ms.items()}
         report(f"{layers} layers x (matmuls + attention)", step)
+        if args.peaks:
+            report_peaks(args.shape, args.chunk, args.cached, ms, matmul_ms)
 
 
 if __name__ == "__main__":
