@@ -98,43 +98,136 @@ void dense_columns(const float* x, int64_t m, const T* w, int64_t n, int64_t k, 
   }
 }
 
-template <typename T>
-void dense_matmul(const uint8_t* weights, const float* x, int64_t m, int64_t n, int64_t k, float* y) {
-  const T* dense = reinterpret_cast<const T*>(weights);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, m * k));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { dense_columns(x, m, dense, n, k, y, begin, end); });
-}
+// The step's selected rows for one matmul phase, in expert order: row i is source row
+// `source_rows[i]` (nullptr: row i), as fp32 rows for the fp32 kernels and dense experts, or
+// quantized per row for int8 compute (each row as the dense int8 kernels quantize it).
+class PhaseRows {
+ public:
+  PhaseRows(const float* source, int64_t k, int64_t count, const int64_t* source_rows, bool int8)
+      : int8_(int8), k_(k), blocks_(k / kBlockSize) {
+    const auto source_row = [&](int64_t i) { return source + (source_rows ? source_rows[i] : i) * k; };
+    if (!int8) {
+      if (source_rows == nullptr) {
+        x_ = source;
+        return;
+      }
+      gathered_.resize(static_cast<size_t>(count * k));
+      for (int64_t i = 0; i < count; ++i) std::copy_n(source_row(i), k, gathered_.data() + i * k);
+      x_ = gathered_.data();
+      return;
+    }
+    xq_.resize(static_cast<size_t>(count * k));
+    scales_.resize(static_cast<size_t>(count * blocks_));
+    scaled_sums_.resize(scales_.size());
+    sums_.resize(scales_.size());
+    half_sums_.resize(2 * scales_.size());
+    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) quantize_rows_int8(source_row(i), k, k, 0, 1, activations(i));
+    });
+  }
 
-// y[m, n] = x[m, k] @ W_e^T for expert e, by the weights' own kernel (int8: x quantized per row).
-void expert_matmul(const ExpertWeights& w, int64_t expert, bool int8, const float* x, int64_t m, float* y) {
-  const uint8_t* weights = w.data + expert * w.expert_bytes;
-  const int64_t n = w.n, k = w.k;
-  if (w.dense) {
-    if (w.dense_type == at::kBFloat16)
-      dense_matmul<c10::BFloat16>(weights, x, m, n, k, y);
-    else if (w.dense_type == at::kHalf)
-      dense_matmul<c10::Half>(weights, x, m, n, k, y);
-    else
-      dense_matmul<float>(weights, x, m, n, k, y);
-    return;
+  // y rows [row_begin, row_begin + m) = these rows @ W^T, tiles [tile_begin, tile_end) of W (dense
+  // weights: the same columns, 16 a tile, each a serial fp32 chain).
+  void multiply(const ExpertWeights& w, int64_t expert, int64_t row_begin, int64_t m, float* y, int64_t tile_begin,
+                int64_t tile_end) const {
+    const uint8_t* weights = w.data + expert * w.expert_bytes;
+    const int64_t n = w.n, k = w.k;
+    float* rows_y = y + row_begin * n;
+    if (w.dense) {
+      const int64_t begin = tile_begin * kTileColumns, end = std::min(tile_end * kTileColumns, n);
+      const float* x = x_ + row_begin * k;
+      if (w.dense_type == at::kBFloat16)
+        dense_columns(x, m, reinterpret_cast<const c10::BFloat16*>(weights), n, k, rows_y, begin, end);
+      else if (w.dense_type == at::kHalf)
+        dense_columns(x, m, reinterpret_cast<const c10::Half*>(weights), n, k, rows_y, begin, end);
+      else
+        dense_columns(x, m, reinterpret_cast<const float*>(weights), n, k, rows_y, begin, end);
+      return;
+    }
+    if (!int8_) {
+      run_tiles(Problem{x_ + row_begin * k, k, weights, rows_y, n, m, n, k, w.format}, tile_begin, tile_end);
+      return;
+    }
+    const Int8Problem problem{xq_.data() + row_begin * k,
+                              k,
+                              scales_.data() + row_begin * blocks_,
+                              sums_.data() + row_begin * blocks_,
+                              scaled_sums_.data() + row_begin * blocks_,
+                              half_sums_.data() + 2 * row_begin * blocks_,
+                              blocks_,
+                              weights,
+                              rows_y,
+                              n,
+                              m,
+                              n,
+                              k,
+                              w.format};
+    run_tiles_int8(problem, tile_begin, tile_end);
   }
-  const int64_t tiles = num_tiles(n);
-  const int64_t grain = std::max<int64_t>(kGroupTiles, (int64_t{1} << 15) / std::max<int64_t>(1, m * k * kTileColumns));
-  if (!int8) {
-    const Problem problem{x, k, weights, y, n, m, n, k, w.format};
-    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { run_tiles(problem, begin, end); });
-    return;
+
+ private:
+  // Where row `row`'s int8 form is written (quantize_rows_int8's output, from that row on)
+  Int8Activations activations(int64_t row) {
+    return {xq_.data() + row * k_,
+            k_,
+            scales_.data() + row * blocks_,
+            sums_.data() + row * blocks_,
+            scaled_sums_.data() + row * blocks_,
+            half_sums_.data() + 2 * row * blocks_,
+            blocks_};
   }
-  const int64_t blocks = k / kBlockSize;
-  std::vector<int8_t> xq(static_cast<size_t>(m * k));
-  std::vector<float> scales(static_cast<size_t>(m * blocks)), scaled_sums(static_cast<size_t>(m * blocks));
-  std::vector<int32_t> sums(static_cast<size_t>(m * blocks)), half_sums(static_cast<size_t>(2 * m * blocks));
-  const Int8Activations activations{xq.data(), k, scales.data(), sums.data(), scaled_sums.data(), half_sums.data(),
-                                    blocks};
-  quantize_rows_int8(x, k, k, 0, m, activations);
-  const Int8Problem problem{xq.data(), k, scales.data(), sums.data(), scaled_sums.data(), half_sums.data(), blocks,
-                            weights, y, n, m, n, k, w.format};
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { run_tiles_int8(problem, begin, end); });
+
+  bool int8_;
+  int64_t k_, blocks_;
+  const float* x_ = nullptr;
+  std::vector<float> gathered_;
+  std::vector<int8_t> xq_;
+  std::vector<float> scales_, scaled_sums_;
+  std::vector<int32_t> sums_, half_sums_;
+};
+
+// Runs `tiles_of(e, row_begin, m, tile_begin, tile_end)` over every selected expert's column tiles
+// (`tiles` per expert) in ONE parallel region: the tiles are cut in kGroupTiles units, in expert
+// order, and each thread takes a contiguous run of about equal work (units x the expert's rows),
+// consecutive units of one expert as one call. One region per expert and matmul was 16 regions a
+// layer at batch 1 (Qwen3-30B-A3B: 8 experts x gate/up and down), each join waiting on the slower
+// thread: with the machine loaded (a test run and two busy loops on 2 cores) the op's median at
+// batch 1 was 10 ms on 2 threads against 5.9 ms on one. Each row's result is the same whichever
+// thread computes a tile (tiles are independent), so the bits do not change.
+template <typename Fn>
+void for_expert_tiles(const std::vector<int64_t>& count, int64_t tiles, const Fn& tiles_of) {
+  struct Unit {
+    int64_t expert, tile_begin, tile_end;
+  };
+  std::vector<Unit> units;
+  std::vector<int64_t> work_before{0};  // work_before[u]: the work of units [0, u)
+  const int64_t num_experts = static_cast<int64_t>(count.size()) - 1;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t m = count[e + 1] - count[e];
+    if (m == 0) continue;  // no row chose it: its weights are not read
+    for (int64_t t = 0; t < tiles; t += kGroupTiles) {
+      units.push_back({e, t, std::min(t + kGroupTiles, tiles)});
+      work_before.push_back(work_before.back() + m);
+    }
+  }
+  const int64_t num_units = static_cast<int64_t>(units.size()), total = work_before.back();
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_units);
+  if (parts == 0) return;
+  // unit u goes to part floor(work_before[u] * parts / total): the first unit of part p is the
+  // first whose work_before * parts reaches p * total
+  const auto first_unit = [&](int64_t part) {
+    return static_cast<int64_t>(std::partition_point(work_before.begin(), work_before.begin() + num_units,
+                                                     [&](int64_t w) { return w * parts < part * total; }) -
+                                work_before.begin());
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    for (int64_t u = first_unit(part_begin), end = first_unit(part_end); u < end;) {
+      const int64_t e = units[u].expert, tile_begin = units[u].tile_begin;
+      int64_t tile_end = units[u].tile_end;
+      for (++u; u < end && units[u].expert == e; ++u) tile_end = units[u].tile_end;
+      tiles_of(e, count[e], count[e + 1] - count[e], tile_begin, tile_end);
+    }
+  });
 }
 
 bool is_activation_type(at::ScalarType type) {
@@ -206,26 +299,39 @@ at::Tensor run_grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids
   std::vector<int64_t> slots(static_cast<size_t>(rows * top_k));
   std::vector<int64_t> next(count.begin(), count.end() - 1);
   for (int64_t s = 0; s < rows * top_k; ++s) slots[next[id[s]]++] = s;
-  // Each slot's expert output, before its routing weight
-  at::Tensor outputs = at::empty({rows * top_k, hidden}, xs.options());
-  float* out = outputs.mutable_data_ptr<float>();
-  const float* xd = xs.const_data_ptr<float>();
-  std::vector<float> gathered, hidden_up, act;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t begin = count[e], m = count[e + 1] - begin;
-    if (m == 0) continue;  // no row chose it: its weights are not read
-    gathered.resize(static_cast<size_t>(m * hidden));
-    for (int64_t i = 0; i < m; ++i)
-      std::copy_n(xd + slots[begin + i] / top_k * hidden, hidden, gathered.data() + i * hidden);
-    hidden_up.resize(static_cast<size_t>(m * 2 * intermediate));
-    expert_matmul(up, e, int8, gathered.data(), m, hidden_up.data());
-    add_bias(gate_up_bias, e, hidden_up.data(), m, 2 * intermediate);
-    act.resize(static_cast<size_t>(m * intermediate));
-    activate(variant, hidden_up.data(), m, intermediate, act.data());
-    gathered.resize(static_cast<size_t>(m * hidden));
-    expert_matmul(dn, e, int8, act.data(), m, gathered.data());
-    add_bias(down_bias, e, gathered.data(), m, hidden);
-    for (int64_t i = 0; i < m; ++i) std::copy_n(gathered.data() + i * hidden, hidden, out + slots[begin + i] * hidden);
+  // Every selected row through gate/up, the activation and down, each phase one parallel region over
+  // all selected experts' tiles (for_expert_tiles); rows stay in expert order, row i being slot slots[i]
+  const int64_t selected = rows * top_k;
+  std::vector<int64_t> token_of(static_cast<size_t>(selected));
+  for (int64_t i = 0; i < selected; ++i) token_of[i] = slots[i] / top_k;
+  std::vector<float> hidden_up(static_cast<size_t>(selected * 2 * intermediate));
+  {
+    const PhaseRows gate_up_rows(xs.const_data_ptr<float>(), hidden, selected, token_of.data(), int8);
+    for_expert_tiles(count, num_tiles(2 * intermediate), [&](int64_t e, int64_t row_begin, int64_t m, int64_t t0,
+                                                              int64_t t1) {
+      gate_up_rows.multiply(up, e, row_begin, m, hidden_up.data(), t0, t1);
+    });
+  }
+  std::vector<float> act(static_cast<size_t>(selected * intermediate));
+  at::parallel_for(0, selected, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = hidden_up.data() + i * 2 * intermediate;
+      add_bias(gate_up_bias, id[slots[i]], row, 1, 2 * intermediate);
+      activate(variant, row, 1, intermediate, act.data() + i * intermediate);
+    }
+  });
+  std::vector<float>().swap(hidden_up);
+  std::vector<float> expert_out(static_cast<size_t>(selected * hidden));  // each selected row's expert output
+  {
+    const PhaseRows down_rows(act.data(), intermediate, selected, nullptr, int8);
+    for_expert_tiles(count, num_tiles(hidden), [&](int64_t e, int64_t row_begin, int64_t m, int64_t t0, int64_t t1) {
+      down_rows.multiply(dn, e, row_begin, m, expert_out.data(), t0, t1);
+    });
+  }
+  std::vector<int64_t> position(static_cast<size_t>(selected));  // slot -> its row in expert order
+  for (int64_t i = 0; i < selected; ++i) {
+    position[slots[i]] = i;
+    add_bias(down_bias, id[slots[i]], expert_out.data() + i * hidden, 1, hidden);
   }
   // Each row's weighted sum over its slots in ascending expert id: depends on that row only
   at::Tensor y = at::empty({rows, hidden}, xs.options());
@@ -239,7 +345,7 @@ at::Tensor run_grouped_experts(const at::Tensor& x, const at::Tensor& expert_ids
       float* yr = yd + r * hidden;
       std::fill_n(yr, hidden, 0.0f);
       for (const int64_t s : order)
-        for (int64_t c = 0; c < hidden; ++c) yr[c] += out[s * hidden + c] * wd[s];
+        for (int64_t c = 0; c < hidden; ++c) yr[c] += expert_out[position[s] * hidden + c] * wd[s];
     }
   });
   return y.to(dtype);

@@ -122,6 +122,27 @@ def test_a_rows_bits_are_the_same_alone_and_in_any_batch(
 
 
 @pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
+def test_a_rows_bits_do_not_depend_on_the_thread_count(
+    quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
+) -> None:
+    """Each matmul phase deals every selected expert's tiles to the threads by work, in one
+    parallel region: the split moves with the thread count, a row's bits do not (19 rows, so the
+    experts' row counts differ and the parts' boundaries fall inside experts)."""
+    experts = Experts(fmt, compute, seed=2)
+    x = random_x(19, HIDDEN, seed=7)
+    ids, weights = routing(19, seed=8)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(experts(x, ids, weights))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize(("fmt", "compute"), CASES, ids=IDS)
 def test_experts_no_row_selects_are_not_read(
     quant_library: QuantLibrary, fmt: WeightFormat | None, compute: WeightCompute
 ) -> None:
