@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from kernel_ab import base_sources  # noqa: E402
+from kernel_ab import base_sources, run_side_script  # noqa: E402
 
 HIDDEN, INTERMEDIATE, TOP_K = 2048, 768, 8  # Qwen3-30B-A3B
 
@@ -71,13 +70,9 @@ print(json.dumps(results))
 
 
 def run_side(csrc: Path, out: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    command = [sys.executable, "-c", _SIDE, str(ROOT), str(csrc), str(out)]
-    command += [str(v) for v in (HIDDEN, INTERMEDIATE, TOP_K, args.layers, args.experts, args.threads, args.repeats)]
-    command.append(json.dumps(args.rows))
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise SystemExit(result.stderr[-3000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    arguments = [str(ROOT), str(csrc), str(out)]
+    arguments += [str(v) for v in (HIDDEN, INTERMEDIATE, TOP_K, args.layers, args.experts, args.threads, args.repeats)]
+    return run_side_script(_SIDE, [*arguments, json.dumps(args.rows)])  # type: ignore[no-any-return]
 
 
 def main() -> None:

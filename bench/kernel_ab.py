@@ -19,6 +19,7 @@ import tarfile
 import tempfile
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,13 +78,19 @@ def base_sources(revision: str, into: Path) -> Path:
     return into / "plugins" / "csrc"
 
 
-def run_side(csrc: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
-    command = [sys.executable, "-c", _SIDE, str(ROOT), str(csrc), str(out), str(args.rows), str(args.threads)]
-    command += [str(args.repeats), "1" if args.cpu_time else "0", json.dumps(MATMULS[args.model])]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+def run_side_script(script: str, arguments: list[str]) -> Any:
+    """`script` run in a process of its own (one kernel library per process) with `arguments`;
+    the JSON its last line prints."""
+    result = subprocess.run([sys.executable, "-c", script, *arguments], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(result.stderr[-3000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_side(csrc: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
+    arguments = [str(ROOT), str(csrc), str(out), str(args.rows), str(args.threads), str(args.repeats)]
+    arguments += ["1" if args.cpu_time else "0", json.dumps(MATMULS[args.model])]
+    return run_side_script(_SIDE, arguments)  # type: ignore[no-any-return]
 
 
 def main() -> None:
