@@ -197,3 +197,30 @@ def load_quant_library(path: Path, required_features: tuple[str, ...] | list[str
     torch.ops.load_library(str(path))
     handle.ifb_quant_isa_name.restype = ctypes.c_char_p
     return str(handle.ifb_quant_isa_name().decode())
+
+
+def _loaded(path: Path) -> ctypes.CDLL:
+    """The handle of the library at `path`, which load_quant_library must have loaded already."""
+    try:
+        return ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    except OSError as error:
+        raise QuantLibraryError(f"{path.name} is not loaded in this process (load_quant_library first)") from error
+
+
+def one_row_tiles(path: Path) -> int:
+    """How many column tiles the loaded library at `path` streams at once in a one-row int8 pass
+    over a nibble format or Q8_0: a speed choice by CPU (quant_matmul_int8.cpp), never a change of bits."""
+    return int(_loaded(path).ifb_quant_one_row_tiles())
+
+
+def wide_one_row_tiles(path: Path) -> int:
+    """The loaded library's other one-row tile count, beside 1: 4 on AVX-512, 2 on AVX2."""
+    return int(_loaded(path).ifb_quant_wide_one_row_tiles())
+
+
+def set_one_row_tiles(path: Path, tiles: int | None) -> None:
+    """Sets that count for the loaded library at `path`: 1, or its wide count (4 on AVX-512, 2 on
+    AVX2); None gives the choice back to the CPU's default. For A/B runs and tests."""
+    if not _loaded(path).ifb_quant_set_one_row_tiles(0 if tiles is None else tiles):
+        wide = wide_one_row_tiles(path)
+        raise ValueError(f"one-row tiles must be 1 or {wide} for {path.name} (None: the CPU's choice), got {tiles}")

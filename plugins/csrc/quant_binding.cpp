@@ -454,4 +454,10 @@ IFB_EXPORT AOTITorchError aoti_torch_cpu_quant_embedding(AtenTensorHandle ids, A
 
 IFB_EXPORT const char* ifb_quant_int8_dot_path() { return ifb_quant::int8_dot_path(); }
 
+IFB_EXPORT int ifb_quant_one_row_tiles() { return ifb_quant::one_row_tiles(); }
+
+IFB_EXPORT int ifb_quant_wide_one_row_tiles() { return ifb_quant::wide_one_row_tiles(); }
+
+IFB_EXPORT int ifb_quant_set_one_row_tiles(int tiles) { return ifb_quant::set_one_row_tiles(tiles) ? 1 : 0; }
+
 IFB_EXPORT const char* ifb_quant_isa_name() { return ifb_quant::isa_name(); }

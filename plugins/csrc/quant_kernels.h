@@ -117,6 +117,13 @@ void gather_rows(const uint8_t* packed, Format format, bool int8_layout, int64_t
 // "vnni" or "maddubs": how the int8 path forms its integer dot products.
 const char* int8_dot_path();
 
+// How many column tiles a one-row int8 pass over a nibble-format or Q8_0 matrix streams at once:
+// a speed choice by CPU (quant_matmul_int8.cpp), never a change of bits. `set_one_row_tiles`
+// takes 1, wide_one_row_tiles() or 0 (the CPU's own choice again) and refuses anything else.
+int one_row_tiles();
+int wide_one_row_tiles();
+bool set_one_row_tiles(int tiles);
+
 // Paged decode attention (paged_decode_attention.cpp): what the K/V pools hold.
 // kQ8_0: uint8 rows of head_dim int8 then fp16 scales per 32 (plugins/kv_format.py).
 enum class KvType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kQ8_0 = 3 };

@@ -25,6 +25,7 @@
 // bit merge) gives 16 columns x 4 consecutive k per register.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -37,28 +38,49 @@ namespace {
 
 #if defined(IFB_SIMD16_AVX512)
 // Rows per register block: R x T tiles of fp32 and int32 accumulators plus the tiles' weights.
-// Two rows cannot hide the weights' load and unpack, so they take more tiles at once. One row
-// (decode) is memory-bound: there, nibble-only formats read best one tile at a time, i.e. the
-// packed matrix front to back in one stream (Q4_K 8192x2048 from DRAM, two processes: 44-62 GB/s
-// against 28-32 with four tiles at once; a 1B Q4_K_M decode step 26.2 -> 25.2 ms, medians of
-// eight alternated runs); formats with high bits (Q5_*, Q6_K) need more work per byte, and one tile
-// at a time left them short of the memory (Q6_K 2048x8192: 29-32 GB/s against 36-47).
+// Two rows cannot hide the weights' load and unpack, so they take more tiles at once.
 constexpr int kRows = 4;
 template <Format F>
 constexpr int tiles_for(int rows) {
-  return rows == 1 ? (high_bits<F>() == 0 ? 1 : 4) : rows == 2 ? 4 : 2;
+  return rows == 2 ? 4 : 2;  // rows >= 2 (one row: one_row_tiles)
 }
+// One row (decode) is memory-bound, and how many tiles its pass should stream at once depends on the
+// CPU. Formats with high bits (Q5_*, Q6_K) need more work per byte and take four everywhere (Q6_K
+// 2048x8192 on an AMD EPYC: 29-32 GB/s one tile at a time against 36-47). For the nibble formats and
+// Q8_0 the CPUs disagree: on an AMD EPYC (Zen 4) one tile at a time, the packed matrix front to
+// back in one stream, read best (Q4_K 8192x2048 from DRAM, two processes: 44-62 GB/s against 28-32
+// with four; a 1B Q4_K_M decode step 26.2 -> 25.2 ms, medians of eight alternated runs); on an
+// Intel Xeon (AVX-512 VNNI + AMX) four read best (one row from DRAM, 2 threads, medians of 40, two
+// alternated runs: Q4_K 12288x2048 0.70 against 0.93 ms, Q4_1 0.66 / 0.87, Q4_0 0.57 / 0.74, Q8_0
+// 8192x2048 0.63 / 0.73). The tile count never changes a bit: each tile's arithmetic is the same.
+constexpr int kWideOneRowTiles = 4;
 #else
 constexpr int kRows = 2;
-// One row as on AVX-512: the AVX2 build of the one-tile loop read Q4_K 8192x2048 from DRAM at
-// 10-16 GB/s against 8-9 with two tiles, Q4_0 10-18 against 8-11 (one thread, this Zen 4 with
-// the library built for AVX2, five alternated runs while a test run shared the machine; in
-// cache both ran at 23 GB/s).
 template <Format F>
 constexpr int tiles_for(int rows) {
-  return rows == 1 ? (high_bits<F>() == 0 ? 1 : 2) : 1;
+  return 1;  // rows >= 2 (one row: one_row_tiles)
 }
+// One row as on AVX-512, by CPU: the AVX2 build of the one-tile loop read Q4_K 8192x2048 from DRAM
+// at 10-16 GB/s against 8-9 with two tiles, Q4_0 10-18 against 8-11 on an AMD EPYC (Zen 4, one
+// thread, five alternated runs while a test run shared the machine; in cache both ran at 23
+// GB/s); on the Intel Xeon two read best (2 threads, medians of 40, two alternated runs: Q4_K
+// 12288x2048 0.87 against 1.00 ms, Q4_1 0.81 / 0.95, Q4_0 0.72 / 0.84, Q8_0 8192x2048 0.72 / 0.88).
+constexpr int kWideOneRowTiles = 2;
 #endif
+
+// The one-row tile count set for nibble formats and Q8_0 (set_one_row_tiles), 0 = the CPU's:
+// 1 on AMD CPUs, kWideOneRowTiles on others.
+std::atomic<int> g_one_row_tiles{0};
+
+int default_one_row_tiles() {
+  static const int tiles = __builtin_cpu_is("amd") ? 1 : kWideOneRowTiles;
+  return tiles;
+}
+
+int current_one_row_tiles() {
+  const int set = g_one_row_tiles.load(std::memory_order_relaxed);
+  return set != 0 ? set : default_one_row_tiles();
+}
 
 // Q6_K's integer accumulators of a block start at -32 x the sum of their 16-weight half's
 // activations: that is its zero point (w = sc (q - 32) d), folded into exact integers.
@@ -311,14 +333,24 @@ void wide_block(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0
 // +6% at 64; the median of 7 alternated runs each).
 constexpr int64_t kScaleCacheRows = 8;
 
-template <Format F, int R>
-void row_block(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0, const V* scales) {
-  constexpr int T = tiles_for<F>(R);
+template <Format F, int R, int T>
+void row_block_of(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0, const V* scales) {
   const int64_t per_tile = 2 * (p.k / kBlockSize);
   const auto at = [&](int64_t tile) { return scales == nullptr ? nullptr : scales + (tile - tile0) * per_tile; };
   int64_t tile = tile0;
   for (; tile + T <= tile0 + tiles; tile += T) int8_tiles<F, R, T>(p, tile, row0, at(tile));
   for (; tile < tile0 + tiles; ++tile) int8_tiles<F, R, 1>(p, tile, row0, at(tile));
+}
+
+template <Format F, int R>
+void row_block(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0, const V* scales) {
+  if constexpr (R > 1) {
+    row_block_of<F, R, tiles_for<F>(R)>(p, tile0, tiles, row0, scales);
+  } else if (high_bits<F>() > 0 || current_one_row_tiles() > 1) {
+    row_block_of<F, 1, kWideOneRowTiles>(p, tile0, tiles, row0, scales);
+  } else {
+    row_block_of<F, 1, 1>(p, tile0, tiles, row0, scales);
+  }
 }
 
 using RowBlockFn = void(const Int8Problem&, int64_t, int64_t, int64_t, const V*);
@@ -403,5 +435,15 @@ void run_tiles_int8(const Int8Problem& problem, int64_t tile_begin, int64_t tile
 }
 
 const char* int8_dot_path() { return kDotPath; }
+
+int one_row_tiles() { return current_one_row_tiles(); }
+
+int wide_one_row_tiles() { return kWideOneRowTiles; }
+
+bool set_one_row_tiles(int tiles) {
+  if (tiles != 0 && tiles != 1 && tiles != kWideOneRowTiles) return false;
+  g_one_row_tiles.store(tiles, std::memory_order_relaxed);
+  return true;
+}
 
 }  // namespace ifb_quant

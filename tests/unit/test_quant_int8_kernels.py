@@ -8,6 +8,7 @@ AVX-512-without-VNNI builds (maddubs) give the VNNI build's exact bits.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,13 @@ from other_isa import other_isa_build, run_in_build
 from quant_cases import random_blocks, random_x
 
 from ifb.plugins import quant_ops
-from ifb.plugins.quant_build import QuantIsa, QuantLibrary
+from ifb.plugins.quant_build import (
+    QuantIsa,
+    QuantLibrary,
+    one_row_tiles,
+    set_one_row_tiles,
+    wide_one_row_tiles,
+)
 from ifb.plugins.quant_formats import BLOCK_SIZE, WeightFormat, dequantize, quantize
 
 FORMATS = [WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.Q8_0]
@@ -126,6 +133,53 @@ def test_thread_count_does_not_change_bits(quant_library: QuantLibrary, fmt: Wei
     for m in (1, 3, 8, 33):
         x = random_x(m, k, seed=m)
         assert torch.equal(int8_matmul(x, blocks, fmt, 1), int8_matmul(x, blocks, fmt, 2))
+
+
+@pytest.fixture
+def one_row_library(quant_library: QuantLibrary) -> Iterator[QuantLibrary]:
+    """The kernel library, its one-row tile count given back to the CPU's choice afterwards."""
+    yield quant_library
+    set_one_row_tiles(quant_library.path, None)
+
+
+def cpu_vendor() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, WeightFormat.Q5_0, WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.MXFP4])
+def test_one_row_tile_count_does_not_change_bits(one_row_library: QuantLibrary, fmt: WeightFormat) -> None:
+    """A one-row pass streams one tile or several at once, as the CPU reads faster (the library's
+    choice, or set): the same bits either way, with and without a remainder of single tiles."""
+    path = one_row_library.path
+    wide = wide_one_row_tiles(path)
+    assert wide in (2, 4)
+    k = 512
+    for n in (16, 16 * 7 - 3, 16 * 9):
+        blocks = random_blocks(n, k, fmt, seed=n)
+        x = random_x(1, k, seed=n + 1)
+        results = []
+        for tiles in (1, wide):
+            set_one_row_tiles(path, tiles)
+            assert one_row_tiles(path) == tiles
+            results.append(int8_matmul(x, blocks, fmt))
+        assert torch.equal(results[0], results[1]), f"N={n}"
+        assert torch.equal(results[0], int8_matmul(torch.cat([x, x]), blocks, fmt)[:1]), f"N={n}: the 2-row block"
+
+
+def test_one_row_tile_count_is_the_cpus_unless_set(one_row_library: QuantLibrary) -> None:
+    """One tile at a time on AMD CPUs (measured faster on an EPYC), the wide count elsewhere (on an
+    Intel Xeon); anything but 1, the wide count or None is refused by name."""
+    path = one_row_library.path
+    wide = wide_one_row_tiles(path)
+    set_one_row_tiles(path, 1)
+    set_one_row_tiles(path, None)
+    assert one_row_tiles(path) == (1 if cpu_vendor() == "AuthenticAMD" else wide)
+    with pytest.raises(ValueError, match=f"one-row tiles must be 1 or {wide}"):
+        set_one_row_tiles(path, 3)
+    assert one_row_tiles(path) == (1 if cpu_vendor() == "AuthenticAMD" else wide)
 
 
 _PRODUCTS = """
