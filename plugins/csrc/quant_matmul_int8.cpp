@@ -227,16 +227,22 @@ void int8_tiles(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scal
   }
 }
 
-#if defined(IFB_SIMD16_AVX512)
 // Many rows: the weight-stationary block. A 32-block's unpacked weights of T tiles (8 x T
 // vectors) stay in registers while up to kWideRows rows run their dots against them, one row
 // after another; the rows' fp32 sums live in L1 (`sums`), so their loads and stores go to the
 // load and store ports, not the two vector ports that the dot instructions, the unpack and the
 // epilogue share. Each unpacked weight vector then serves kWideRows rows, not kRows (the 4 x 2
 // register block needs all 32 registers for its fp32 and int32 accumulators and weights, and
-// 8 x 2 spilled: 20% slower). Per row and tile the operations are the register block's, in the
-// same order: the same bits.
-constexpr int kWideRows = 8;
+// 8 x 2 spilled: 20% slower). On AVX2 (16 registers, two per vector) the block is 4 rows x 1 tile
+// against the register block's 2 x 1: one thread, an AMD EPYC with AVX2 only, best of 20 alternated
+// calls, Llama-3.2-1B's shapes: 512 rows Q4_K +11%, Q6_K +24%, SmolLM2's Q4_1 +10%; 4-16 rows Q4_K
+// +5-24%, Q6_K +29-31%. Per row and tile the operations are the register block's, in the same
+// order (and the maddubs paths pair the same two lanes): the same bits.
+#if defined(IFB_SIMD16_AVX512)
+constexpr int kWideRows = 8, kWideTiles = 2;
+#else
+constexpr int kWideRows = 4, kWideTiles = 1;
+#endif
 
 template <Format F, int T>
 void int8_tiles_wide(const Int8Problem& p, int64_t tile0, int64_t row0, const V* scales) {
@@ -315,14 +321,13 @@ void int8_tiles_wide(const Int8Problem& p, int64_t tile0, int64_t row0, const V*
 template <Format F>
 void wide_block(const Int8Problem& p, int64_t tile0, int64_t tiles, int64_t row0, const V* scales) {
   // Q6_K's two chains per row and tile (its 16-weight halves) take 8 x 2 x 2 registers: one tile.
-  constexpr int T = F == Format::kQ6_K ? 1 : 2;
+  constexpr int T = F == Format::kQ6_K ? 1 : kWideTiles;
   const int64_t per_tile = 2 * (p.k / kBlockSize);
   const auto at = [&](int64_t tile) { return scales == nullptr ? nullptr : scales + (tile - tile0) * per_tile; };
   int64_t tile = tile0;
   for (; tile + T <= tile0 + tiles; tile += T) int8_tiles_wide<F, T>(p, tile, row0, at(tile));
   for (; tile < tile0 + tiles; ++tile) int8_tiles_wide<F, 1>(p, tile, row0, at(tile));
 }
-#endif
 
 // Tiles are walked in groups of kGroupTiles (quant_kernels.h; their weights stay in L2 while
 // every row block reads them); within a group each row block takes tiles_for<F>(rows) tiles per call.
@@ -386,13 +391,11 @@ void run_format(const Int8Problem& p, int64_t tile_begin, int64_t tile_end) {
     const V* decoded = cache ? scales.data() : nullptr;
     for (int64_t row0 = 0; row0 < p.m;) {
       const int64_t left = p.m - row0;
-#if defined(IFB_SIMD16_AVX512)
       if (left >= kWideRows) {
         wide_block<F>(p, tile0, tiles, row0, decoded);
         row0 += kWideRows;
         continue;
       }
-#endif
       kBlocks[std::min<int64_t>(kRows, left) - 1](p, tile0, tiles, row0, decoded);
       row0 += std::min<int64_t>(kRows, left);
     }
