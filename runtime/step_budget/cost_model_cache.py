@@ -92,6 +92,9 @@ class CostModelKey:
             "weight_formats": engine_record.get("weight_formats"),
             "weight_compute": engine_record.get("weight_compute"),
             "kernel_isa": kernels.get("isa"),
+            # the library's own bytes: kernels rebuilt from other sources time differently (stop 51's
+            # AVX2 change made 512-row int8 matmuls 10-24% faster under one builder version)
+            "kernel_library_sha256": (engine_record.get("artifacts") or {}).get(kernels.get("path") or ""),
             "cpu_features": kernels.get("cpu_features"),
             "cpu": _cpu_name(),
             "cores": os.cpu_count(),

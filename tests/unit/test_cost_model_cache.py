@@ -43,7 +43,8 @@ def engine_record(**changes: Any) -> dict[str, Any]:
         "weight_formats": {},
         "weight_compute": "fp32",
         # cpu_features a tuple, as EngineConfig.to_json gives it (a stored key reads back a list)
-        "kernels": {"isa": "avx512_vnni", "cpu_features": ("avx2", "avx512f")},
+        "kernels": {"path": "kernels/lib.so", "isa": "avx512_vnni", "cpu_features": ("avx2", "avx512f")},
+        "artifacts": {"kernels/lib.so": "a" * 64, "step.pt2": "b" * 64},
     }
     for path, value in changes.items():
         *parents, leaf = path.split(".")
@@ -64,6 +65,8 @@ def test_a_stored_model_is_found_under_its_key_only(tmp_path: Path) -> None:
     assert cache.get(key()) == MODEL
     # a fine-tune: other token ids, the same computation
     assert cache.get(key(**{"model.eos_token_ids": [7, 8], "model.bos_token_id": 0})) == MODEL
+    # other weights of the same shapes: the same computation (the step package is not the key's)
+    assert cache.get(key(artifacts={"kernels/lib.so": "a" * 64, "step.pt2": "c" * 64})) == MODEL
     for change in (
         {"model.hidden_size": 128},
         {"limits.max_num_tokens": 128},
@@ -74,6 +77,7 @@ def test_a_stored_model_is_found_under_its_key_only(tmp_path: Path) -> None:
         {"weight_compute": "int8"},
         {"weight_formats": {"lm_head": "q8_0"}},
         {"kernels.isa": "avx2"},
+        {"artifacts": {"kernels/lib.so": "d" * 64}},  # the kernel library rebuilt from other sources
     ):
         assert cache.get(key(**change)) is None, change
     assert cache.get(CostModelKey.of(engine_record(), "0.2.0")) is None
