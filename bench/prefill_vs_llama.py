@@ -29,7 +29,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_synth import ensure_inputs  # noqa: E402
 from peers import LLAMA_DIR, OUT, build_llama_server  # noqa: E402
+from step import median_ms  # noqa: E402
 
 from ifb.runtime.engine_format import EngineConfig  # noqa: E402
 from ifb.runtime.step.backend import StepMode  # noqa: E402
@@ -80,14 +80,7 @@ def prefill_inputs(engine: Engine, tokens: int) -> StepInputs:
 
 
 def ifb_tokens_per_s(engine: Engine, inputs: StepInputs, tokens: int, repeats: int) -> float:
-    engine.step(inputs)
-    engine.step(inputs)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        engine.step(inputs)
-        times.append(time.perf_counter() - start)
-    return tokens / statistics.median(times)
+    return tokens / (median_ms(lambda: engine.step(inputs), repeats) / 1000)  # (two warm-up steps first)
 
 
 def llama_tokens_per_s(gguf: Path, tokens: int, repeats: int, threads: int) -> float:
