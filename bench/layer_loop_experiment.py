@@ -94,7 +94,7 @@ class LoopedStepNetwork(StepNetwork):
             context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens
         )
         x = self.embed(input_ids)
-        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]  # (fp32 engines)
         stacks = [getattr(self, _buffer(name)) for name in self.stacked_names]
         template, num_layers = self.layers[0], len(self.layers)
         k_pool, v_pool = kv_pools

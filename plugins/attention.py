@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ifb.plugins.attention_variant import PLAIN, AttentionVariant
+from ifb.plugins.casts import cast
 from ifb.plugins.kv_format import decode, encode
 from ifb.plugins.layout import AttentionLayout
 
@@ -192,13 +193,12 @@ def _context_attention_per_row(
     times a row before (bench/prefill_attention.py).
     Padded query entries repeat their request's last row and are computed twice, same value.
     """
-    rows = layout.context_query_rows.flatten()
-    queries_per_request = layout.context_query_rows.shape[1]
-    tables = layout.context_block_tables[:, None, :].expand(-1, queries_per_request, -1).flatten(0, 1)
+    rows = layout.context_rows
+    queries, seq_lens = cast(q[rows], torch.float32), positions[rows] + 1
     attended = _kernel_attention(
-        q[rows].float(), k_pool, v_pool, tables, positions[rows] + 1, block_size, scale, variant, sinks
+        queries, k_pool, v_pool, layout.context_row_tables, seq_lens, block_size, scale, variant, sinks
     )
-    out.index_copy_(0, rows, attended.to(q.dtype))
+    out.index_copy_(0, rows, cast(attended, q.dtype))
 
 
 def _kernel_attention(
@@ -222,7 +222,7 @@ def _kernel_attention(
         block_size,
         scale,
         variant.kernel_fields(),
-        None if sinks is None else sinks.float(),
+        None if sinks is None else cast(sinks, torch.float32),
     )
 
 
@@ -277,7 +277,7 @@ def paged_attention_decode_kernel(
     _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale, variant, sinks)
     rows = layout.decode_query_rows
     decoded = _kernel_attention(
-        q[rows].float(),
+        cast(q[rows], torch.float32),
         k_pool,
         v_pool,
         layout.decode_block_tables,
@@ -287,5 +287,5 @@ def paged_attention_decode_kernel(
         variant,
         sinks,
     )
-    out.index_copy_(0, rows, decoded.to(q.dtype))
+    out.index_copy_(0, rows, cast(decoded, q.dtype))
     return out

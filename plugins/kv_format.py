@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ifb.plugins.casts import cast
+
 Q8_0_BLOCK = 32  # values per fp16 scale, as llama.cpp's Q8_0
 Q8_0_POOL_DTYPE = torch.uint8  # the dtype that marks a pool as q8_0 rows
 Q8_0_MAX = 127
@@ -78,7 +80,7 @@ def dequantize_q8_0(rows: torch.Tensor) -> torch.Tensor:
 
 def encode(pool: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """K or V [T, kv_heads, head_dim] as rows of `pool`'s format (rounded once, to nearest)."""
-    return quantize_q8_0(x) if is_q8_0(pool) else x.to(pool.dtype)
+    return quantize_q8_0(x) if is_q8_0(pool) else cast(x, pool.dtype)
 
 
 def decode(rows: torch.Tensor) -> torch.Tensor:

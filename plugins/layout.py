@@ -16,7 +16,7 @@ exported graph serves any mix, including steps with no context or no decode requ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,3 +28,13 @@ class AttentionLayout:
     decode_query_rows: torch.Tensor  # [Bd] int64
     decode_block_tables: torch.Tensor  # [Bd, Md] int64
     decode_seq_lens: torch.Tensor  # [Bd] int64
+    # The context rows as the kernel's per-row items, each with its request's block table: made
+    # here, once a step, rather than by every layer's attention (four exported nodes a layer).
+    context_rows: torch.Tensor = field(init=False)  # [Bc * Q] int64
+    context_row_tables: torch.Tensor = field(init=False)  # [Bc * Q, Mc] int64
+
+    def __post_init__(self) -> None:
+        queries_per_request = self.context_query_rows.shape[1]
+        tables = self.context_block_tables[:, None, :].expand(-1, queries_per_request, -1).flatten(0, 1)
+        object.__setattr__(self, "context_rows", self.context_query_rows.flatten())
+        object.__setattr__(self, "context_row_tables", tables)

@@ -19,6 +19,7 @@ from torch import nn
 from ifb.plugins.attention import paged_attention, paged_attention_decode_kernel, write_kv
 from ifb.plugins.attention_reference import paged_attention_reference, write_kv_reference
 from ifb.plugins.attention_variant import AttentionVariant
+from ifb.plugins.casts import cast
 from ifb.plugins.layout import AttentionLayout
 from ifb.plugins.quant_formats import WeightCompute, WeightFormat
 from ifb.runtime.engine_format import Activation, ModelSpec
@@ -114,22 +115,23 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = cast(x, torch.float32)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (normed * (self.weight.float() + self.offset)).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+            return cast(normed * (cast(self.weight, torch.float32) + self.offset), x.dtype)
+        return self.weight * cast(normed, x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, R] (half-split rotation, as HF Llama) over the first R <= D
-    dims of each head; the rest pass through (partial rotary, as HF Phi-3)."""
+    """x [T, heads, D]; cos/sin [T, 1, R] (half-split rotation, as HF Llama; the 1 broadcasts over
+    heads, made once a step, not per layer) over the first R <= D dims of each head; the rest pass
+    through (partial rotary, as HF Phi-3)."""
     rotary_dims = cos.shape[-1]
     if rotary_dims < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rotary_dims], cos, sin), x[..., rotary_dims:]), dim=-1)
     half = rotary_dims // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -351,11 +353,11 @@ class StepNetwork(nn.Module):
         x = self.embed(input_ids)
         if self.spec.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers
             x = x * torch.full((), self.spec.embed_scale, dtype=x.dtype, device=x.device)
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
+        cos = cast(self.rope_cos[positions], x.dtype)[:, None, :]
+        sin = cast(self.rope_sin[positions], x.dtype)[:, None, :]
         if self.spec.local_rope_theta is not None:
-            local_cos = self.rope_local_cos[positions].to(x.dtype)
-            local_sin = self.rope_local_sin[positions].to(x.dtype)
+            local_cos = cast(self.rope_local_cos[positions], x.dtype)[:, None, :]
+            local_sin = cast(self.rope_local_sin[positions], x.dtype)[:, None, :]
         for index, layer in enumerate(self.layers):
             k_pool, v_pool = kv_pools[2 * index], kv_pools[2 * index + 1]
             layer_cos, layer_sin = (local_cos, local_sin) if layer.local_rope else (cos, sin)
@@ -364,4 +366,4 @@ class StepNetwork(nn.Module):
         if self.spec.final_logit_softcap is not None:  # Gemma 2, in the model dtype as transformers
             cap = self.spec.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return cast(logits, torch.float32)

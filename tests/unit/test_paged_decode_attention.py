@@ -12,6 +12,7 @@ every variant field too); bad tables and variant fields are refused instead of r
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -262,7 +263,7 @@ def mixed_step(seed: int) -> tuple[torch.Tensor, AttentionLayout]:
         table, blocks = blocks[:needed], blocks[needed:]
         slices.append(RequestSlice([0] * tokens, start, table, sample=True))
     inputs = build_step_inputs(slices, BLOCK)
-    layout = AttentionLayout(*(getattr(inputs, name) for name in AttentionLayout.__dataclass_fields__))
+    layout = AttentionLayout(*(getattr(inputs, f.name) for f in dataclasses.fields(AttentionLayout) if f.init))
     return inputs.positions, layout
 
 
