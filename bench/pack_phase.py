@@ -7,11 +7,12 @@ Writes into a temporary folder (never the repository) a Llama-3.2-1B-shaped Q4_K
 `--layers` layers, 32 / 8 heads of 64, FFN 8192, tied embedding; Q4_K q/k/o/gate/up, Q6_K v/down and
 embedding, F32 norms) of random valid blocks (tests/tiny_models.py's `random_blocks`) with a `--vocab`-token
 byte-level vocabulary (tests/gguf_vocab.py's `synthetic_vocab`), then times what builder.build does between
-its "pack" and "compile" phases (`_convert`: open the tensors, plan, copy each tensor out of the mapping,
-un-permute q/k, pack tiles, write, reload) with `time.process_time` (all threads of this process) and
-wall, printing /proc/loadavg before and after. `--profile N`: a second run under cProfile, its N largest
-functions by own time. `--revs A,B`: each measurement in a fresh interpreter over that revision's packages
-(git archive, as bench/tokenizer_load.py does; "." is the working tree), alternated `--repeats` times.
+its "pack" and "compile" phases (`_convert`: open the tensors, plan, un-permute q/k, pack each tensor's
+tiles out of the mapping and write them chunk by chunk, reload; a new file each run, as a build writes)
+with `time.process_time` (all threads of this process) and wall, printing /proc/loadavg before and after.
+`--profile N`: a second run under cProfile, its N largest functions by own time. `--revs A,B`: each
+measurement in a fresh interpreter over that revision's packages (git archive, as bench/tokenizer_load.py
+does; "." is the working tree), alternated `--repeats` times.
 """
 
 from __future__ import annotations
@@ -121,11 +122,16 @@ def child(path: Path, compute: str, profile: int) -> None:
     """One measurement in this interpreter: a JSON line of wall and CPU seconds (then the profile)."""
     import torch
 
-    wall, cpu = pack_phase(path, compute, path.with_suffix(".weights"))
+    # each run writes a new file, as a build does into its staging folder: replacing the last run's
+    # would free its page cache inside the timed phase and make ext4 flush the file on close (0.3 s)
+    out = path.with_suffix(".weights")
+    wall, cpu = pack_phase(path, compute, out)
+    out.unlink()
     print(json.dumps({"wall": wall, "cpu": cpu, "threads": torch.get_num_threads()}), flush=True)
     if profile:
         stats = cProfile.Profile()
-        stats.runcall(pack_phase, path, compute, path.with_suffix(".weights2"))
+        stats.runcall(pack_phase, path, compute, out)
+        out.unlink()
         pstats.Stats(stats).sort_stats("tottime").print_stats(profile)
 
 

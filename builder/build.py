@@ -40,7 +40,7 @@ from ifb.builder.sources import (
     resolve_source,
     source_sha256,
 )
-from ifb.builder.weight_loader import network_state, plan_weights, warn_dequantized
+from ifb.builder.weight_loader import PackedTiles, network_state, plan_weights, warn_dequantized
 from ifb.runtime.engine_format import (
     DTYPE_ALIASES,
     BuildOptionsRecord,
@@ -170,8 +170,11 @@ def _convert(
     recipe = NetworkRecipe(spec, inv_freq, rope_scaling, limits.max_seq_len, limits.block_size, plan.formats, compute)
     network = recipe.empty_network()
     writer = WeightsWriter(weights_path, stored_entries(network, getattr(torch, dtype), inv_freq))
-    for name, tensor in network_state(tensors, plan, compute):
-        writer.write(name, tensor)
+    for name, value in network_state(tensors, plan, compute):
+        if isinstance(value, PackedTiles):
+            value.write_into(writer, name)
+        else:
+            writer.write(name, value)
     writer.write(INV_FREQ, inv_freq)
     try:
         writer.close()

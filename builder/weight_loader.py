@@ -9,7 +9,8 @@
   fp32  nothing kept as blocks.
 A block-format token embedding is read as block rows (tied: the head's own tiles), never an fp32
 vocabulary table. `network_state` then yields the stored tensors one module at a time from the
-mapped source, so the build holds the engine's weights plus one module in flight.
+mapped source, so the build holds the engine's weights plus one module in flight; a linear's
+blocks come as `PackedTiles`, packed only as they are written (`write_into`), a chunk at a time.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ifb.builder.gguf_tensors import TensorInfo
 from ifb.builder.read_ahead import read_ahead
 from ifb.plugins.quant_formats import BLOCK_SIZE, WeightCompute, WeightFormat, block_weights, quantize
+from ifb.plugins.quant_pack import pack_tiles, pack_tiles_into
 from ifb.runtime.engine_format import ModelSpec
+from ifb.runtime.engine_format.weights_file import WeightsWriter
 from ifb.runtime.step.network import EMBED_KEY, linear_part_rows
-from ifb.runtime.step.quant_linear import PACKERS
+from ifb.runtime.step.quant_linear import PACKERS, packed_shape
 from ifb.runtime.step.segmented_linear import part_formats, part_key, segment_parts
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,41 @@ class TensorSource(Protocol):
     def block_rows(self, name: str) -> torch.Tensor: ...
 
     def fused_fp32(self, names: tuple[str, ...]) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PackedTiles:
+    """A linear's rows of blocks (or a fused module's parts of them) as the packer's tiles, not yet packed."""
+
+    rows: torch.Tensor | tuple[torch.Tensor, ...]
+    fmt: WeightFormat
+    n: int
+    k: int
+    int8_layout: bool
+
+    @property
+    def source_bytes(self) -> int:
+        parts = (self.rows,) if isinstance(self.rows, torch.Tensor) else self.rows
+        return sum(part.numel() for part in parts)
+
+    def tensor(self) -> torch.Tensor:
+        """The tiles in memory (what `quant_ops.pack` / `pack_int8` return)."""
+        return pack_tiles(self.rows, self.fmt, self.n, self.k, self.int8_layout)
+
+    def write_into(self, writer: WeightsWriter, name: str) -> None:
+        """The tiles into `writer` as `name`, packed chunk by chunk into reused buffers (never whole
+        in memory: see `pack_tiles_into`)."""
+        shape = packed_shape(self.fmt, self.n, self.k)
+        if writer.entries[name].shape != shape:
+            raise ValueError(f"{name}: shape {shape}, the file expects {writer.entries[name].shape}")
+
+        def write(offset: int, tiles: np.ndarray) -> None:
+            writer.write_at(name, offset, tiles.data)
+
+        pack_tiles_into(self.rows, self.fmt, self.n, self.k, self.int8_layout, write)
+
+
+Stored = torch.Tensor | PackedTiles  # what `network_state` yields per stored name
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,29 +203,37 @@ def warn_dequantized(plan: WeightPlan, dtype_bytes: int) -> None:
     )
 
 
-def network_state(source: TensorSource, plan: WeightPlan, compute: WeightCompute) -> Iterator[tuple[str, torch.Tensor]]:
-    """The network's stored tensors, one module at a time (fp32 for dense ones), each read and packed
-    on a worker thread while the caller writes the one before (builder/read_ahead.py)."""
-    return read_ahead(_network_state(source, plan, compute), lambda item: item[1].numel() * item[1].element_size())
+def network_state(source: TensorSource, plan: WeightPlan, compute: WeightCompute) -> Iterator[tuple[str, Stored]]:
+    """The network's stored tensors, one module at a time (fp32 for dense ones, `PackedTiles` for a
+    linear's blocks), each read on a worker thread while the caller writes the one before
+    (builder/read_ahead.py)."""
+    return read_ahead(_network_state(source, plan, compute), lambda item: _held_bytes(item[1]))
 
 
-def _network_state(
-    source: TensorSource, plan: WeightPlan, compute: WeightCompute
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _held_bytes(value: Stored) -> int:
+    if isinstance(value, PackedTiles):
+        return value.source_bytes
+    return value.numel() * value.element_size()
+
+
+def _network_state(source: TensorSource, plan: WeightPlan, compute: WeightCompute) -> Iterator[tuple[str, Stored]]:
     spec = source.spec
     packer = PACKERS[compute]
+    int8_layout = compute is WeightCompute.INT8
     for module in linear_part_rows(spec):
         names = source.linears[module]
         per_part = part_formats(plan.formats, module, len(names))
         if per_part is not None:
             for index, parts in enumerate(segment_parts(per_part)):
                 segment = tuple(names[i] for i in parts)
-                yield from _stored_linear(source, f"{module}.parts.{index}", per_part[parts[0]], segment, packer, plan)
+                yield from _stored_linear(
+                    source, f"{module}.parts.{index}", per_part[parts[0]], segment, int8_layout, plan
+                )
             continue
         fmt = plan.formats.get(module, WeightFormat.FP32)
         if module == "lm_head" and spec.tie_word_embeddings and fmt is WeightFormat.FP32:
             continue  # the network ties a dense head to the embedding table
-        yield from _stored_linear(source, module, fmt, names, packer, plan)
+        yield from _stored_linear(source, module, fmt, names, int8_layout, plan)
     for module in source.experts:
         yield module, _stored_experts(source, module, plan.formats[module], packer, plan)
     for name, parts in source.dense.items():
@@ -201,20 +248,20 @@ def _stored_linear(
     module: str,
     fmt: WeightFormat,
     names: tuple[str, ...],
-    packer: Packer,
+    int8_layout: bool,
     plan: WeightPlan,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, Stored]]:
     if fmt is WeightFormat.FP32:
         yield f"{module}.weight", source.fused_fp32(names)
         return
-    rows: torch.Tensor | list[torch.Tensor]
+    rows: torch.Tensor | tuple[torch.Tensor, ...]
     if plan.quantized_from is not None:
         rows = quantize(source.fused_fp32(names), fmt)
     else:  # a fused module's parts are packed as one, never concatenated (a copy of every weight)
-        rows = [source.block_rows(name) for name in names]
+        rows = tuple(source.block_rows(name) for name in names)
     n = sum(source.info(name).rows for name in names)
     k = source.info(names[0]).cols
-    yield f"{module}.packed", packer(rows, fmt, n, k)
+    yield f"{module}.packed", PackedTiles(rows, fmt, n, k, int8_layout)
 
 
 def _stored_experts(
@@ -237,7 +284,7 @@ def _stored_experts(
     return torch.stack(experts)
 
 
-def _stored_embedding(source: TensorSource, plan: WeightPlan, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _stored_embedding(source: TensorSource, plan: WeightPlan, name: str) -> Iterator[tuple[str, Stored]]:
     """The embedding's own tiles, unless it reads the tied head's (then nothing to store)."""
     fmt = plan.formats[EMBED_KEY]
     if source.spec.tie_word_embeddings and plan.formats.get("lm_head") is fmt:
@@ -245,4 +292,4 @@ def _stored_embedding(source: TensorSource, plan: WeightPlan, name: str) -> Iter
     info = source.info(name)
     if info.cols % block_weights(fmt):
         raise ValueError(f"{name}: {info.cols} columns is not a multiple of {fmt.value}'s block")
-    yield "embed.packed", PACKERS[WeightCompute.FP32](source.block_rows(name), fmt, info.rows, info.cols)
+    yield "embed.packed", PackedTiles(source.block_rows(name), fmt, info.rows, info.cols, int8_layout=False)

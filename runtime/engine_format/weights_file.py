@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +76,8 @@ class WeightsWriter:
         self._file.write(encoded)
         self._file.truncate(self._data_start + offset)
         self._written: set[str] = set()
+        self._bytes_at: dict[str, int] = {}  # bytes `write_at` wrote so far, per tensor
+        self._lock = threading.Lock()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         entry = self.entries.get(name)
@@ -85,6 +89,25 @@ class WeightsWriter:
         self._file.seek(self._data_start + self._offsets[name])
         self._file.write(data.view(torch.uint8).reshape(-1).numpy().data)
         self._written.add(name)
+
+    def write_at(self, name: str, offset: int, data: memoryview | bytes) -> None:
+        """Bytes of `name` from byte `offset` of it, for a tensor produced in pieces; safe from several
+        threads (positioned writes). It counts as written once all its bytes have come."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ValueError(f"{name} is not in the weights file's tensor list")
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        if offset < 0 or offset + size > entry.num_bytes:
+            raise ValueError(f"{name}: bytes {offset}..{offset + size} of a {entry.num_bytes}-byte tensor")
+        at = self._data_start + self._offsets[name] + offset
+        while view.nbytes:  # a regular file takes it in one call but for a signal or a full disk
+            done = os.pwrite(self._file.fileno(), view, at)
+            view, at = view[done:], at + done
+        with self._lock:
+            self._bytes_at[name] = self._bytes_at.get(name, 0) + size
+            if self._bytes_at[name] == entry.num_bytes:
+                self._written.add(name)
 
     def close(self) -> None:
         self._file.close()

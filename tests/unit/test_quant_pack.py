@@ -5,17 +5,19 @@ packed bytes are the reference's byte for byte — on seeded random bytes (every
 every field, scales included: packing never reads a value), with N not a multiple of 16 (a padded
 last tile), K of one and of several blocks, chunks of one tile and of many, one thread and several,
 the rows whole or in parts (a fused module's);
+`pack_tiles_into` hands out the same bytes chunk by chunk;
 `quant_ops.pack` / `pack_int8` are that packer; a wrong shape is refused naming the expected one.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from ifb.plugins import quant_ops
 from ifb.plugins.quant_formats import BLOCK_FORMATS, WeightFormat, block_bytes, block_weights
-from ifb.plugins.quant_pack import pack_tiles
+from ifb.plugins.quant_pack import pack_tiles, pack_tiles_into
 from ifb.plugins.quant_pack_reference import pack_reference
 
 LAYOUTS = {"exact": False, "int8": True}
@@ -89,3 +91,27 @@ def test_a_wrong_shape_is_refused_naming_the_expected_one() -> None:
     parts = [torch.zeros((8, 144), dtype=torch.uint8), torch.zeros((7, 144), dtype=torch.uint8)]
     with pytest.raises(ValueError, match=r"expected uint8 \[16, 144\] q4_k blocks .* got \[\(8, 144\), \(7, 144\)\]"):
         pack_tiles(parts, WeightFormat.Q4_K, 16, 256, int8_layout=False)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.Q4_K, WeightFormat.Q6_K, WeightFormat.Q5_0], ids=lambda f: f.value)
+def test_tiles_handed_out_in_chunks_are_pack_tiles_bytes(fmt: WeightFormat) -> None:
+    """`pack_tiles_into` (the build's writer path) hands out every byte of `pack_tiles` exactly once,
+    at its offset, whatever the chunking and threads, rows whole or in parts."""
+    num_blocks = 2
+    k = num_blocks * block_weights(fmt)
+    parts = [_random_rows(n, fmt, num_blocks, seed=40 + n) for n in (24, 5, 19)]
+    n = sum(part.shape[0] for part in parts)
+    tile_bytes = 16 * num_blocks * block_bytes(fmt)
+    for int8_layout in LAYOUTS.values():
+        expected = pack_tiles(parts, fmt, n, k, int8_layout).reshape(-1).numpy()
+        for chunk_bytes, workers in ((1, 1), (1, 3), (tile_bytes * 2, 2), (1 << 20, 1)):
+            got = np.zeros_like(expected)
+            times = np.zeros(expected.size, dtype=np.int64)
+
+            def write(offset: int, tiles: np.ndarray, got: np.ndarray = got, times: np.ndarray = times) -> None:
+                got[offset : offset + tiles.size] = tiles
+                times[offset : offset + tiles.size] += 1
+
+            size = pack_tiles_into(parts, fmt, n, k, int8_layout, write, chunk_bytes=chunk_bytes, workers=workers)
+            assert size == expected.size and (times == 1).all(), (chunk_bytes, workers)
+            assert np.array_equal(got, expected), (fmt.value, int8_layout, chunk_bytes, workers)

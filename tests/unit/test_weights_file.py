@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,4 +59,32 @@ def test_writer_refuses_unknown_names_wrong_shapes_and_missing_tensors(tmp_path:
     with pytest.raises(ValueError, match="shape"):
         writer.write("x", torch.zeros(3, 2))
     with pytest.raises(ValueError, match="lacks x"):
+        writer.close()
+
+
+def test_a_tensor_written_in_pieces_from_threads_maps_back(tmp_path: Path) -> None:
+    """`write_at`: pieces in any order, from several threads, between whole tensors, land in place."""
+    tensors = _tensors()
+    path = tmp_path / "w.safetensors"
+    writer = WeightsWriter(path, {n: TensorEntry(t.dtype, tuple(t.shape)) for n, t in tensors.items()})
+    packed = tensors["b.packed"].reshape(-1).numpy()
+    pieces = [(at, packed[at : at + 10]) for at in range(0, packed.size, 10)]
+    writer.write("a.weight", tensors["a.weight"])
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda piece: writer.write_at("b.packed", piece[0], piece[1].data), reversed(pieces)))
+    writer.write("c.bias", tensors["c.bias"])
+    writer.write("empty", tensors["empty"])
+    writer.close()
+    assert torch.equal(map_weights(path)["b.packed"], tensors["b.packed"])
+    assert torch.equal(map_weights(path)["a.weight"], tensors["a.weight"])
+
+
+def test_pieces_past_the_tensor_or_short_of_it_are_refused(tmp_path: Path) -> None:
+    writer = WeightsWriter(tmp_path / "w.safetensors", {"x": TensorEntry(torch.uint8, (2, 4))})
+    with pytest.raises(ValueError, match="bytes 6..10 of a 8-byte tensor"):
+        writer.write_at("x", 6, bytes(4))
+    with pytest.raises(ValueError, match="not in the weights file"):
+        writer.write_at("y", 0, bytes(4))
+    writer.write_at("x", 0, bytes(4))
+    with pytest.raises(ValueError, match="lacks x"):  # half of it came
         writer.close()
