@@ -52,13 +52,9 @@ def prepare_kernel_library(cache: ArtifactCache) -> tuple[QuantIsa, bool]:
     s of the 81 s compile phase of a first SmolLM2 build on 2 quiet cores (py-spy). Returns its ISA
     and whether it was compiled now."""
     isa = best_isa(cpu_features())
-    key = kernel_library_key(isa)
     with tempfile.TemporaryDirectory(prefix="ifb-quant-") as scratch:
-        if cache.fetch(key, Path(scratch) / library_name(isa)):  # (checks the entry's checksum)
-            return isa, False
-        library = build_quant_library(Path(scratch) / "build", isa)
-        cache.store(key, library.path)
-    return isa, True
+        reused = _library_at(Path(scratch) / library_name(isa), isa, cache)
+    return isa, not reused
 
 
 def build_engine_kernels(folder: Path, cache: ArtifactCache | None) -> tuple[KernelLibraryInfo, bool]:
@@ -68,17 +64,24 @@ def build_engine_kernels(folder: Path, cache: ArtifactCache | None) -> tuple[Ker
     isa = best_isa(cpu_features())
     (folder / KERNELS_DIR).mkdir()
     target = folder / KERNELS_DIR / library_name(isa)
-    key = kernel_library_key(isa)
-    reused = cache is not None and cache.fetch(key, target)
-    if not reused:
-        with tempfile.TemporaryDirectory(prefix="ifb-quant-") as scratch:
-            library = build_quant_library(Path(scratch), isa)  # object files stay out of the engine folder
-            shutil.copyfile(library.path, target)
-        if cache is not None:
-            cache.store(key, target)
+    reused = _library_at(target, isa, cache)
     ensure_quant_library(target, isa.value, isa_features(isa))
     logger.info("%s %s (%s)", "reused" if reused else "built", target.name, isa.value)
     return KernelLibraryInfo(f"{KERNELS_DIR}/{target.name}", isa.value, isa_features(isa)), reused
+
+
+def _library_at(target: Path, isa: QuantIsa, cache: ArtifactCache | None) -> bool:
+    """The kernel library for `isa` at `target`: the copy `cache` holds (its checksum checked), or
+    compiled now (object files in a scratch folder) and stored there. Returns whether it was reused."""
+    key = kernel_library_key(isa)
+    if cache is not None and cache.fetch(key, target):
+        return True
+    with tempfile.TemporaryDirectory(prefix="ifb-quant-") as scratch:
+        library = build_quant_library(Path(scratch), isa)
+        shutil.copyfile(library.path, target)
+    if cache is not None:
+        cache.store(key, target)
+    return False
 
 
 def compile_cpu_engine(
