@@ -122,16 +122,25 @@ class RMSNorm(nn.Module):
         return self.weight * cast(normed, x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, 1, R] (half-split rotation, as HF Llama; the 1 broadcasts over
-    heads, made once a step, not per layer) over the first R <= D dims of each head; the rest pass
-    through (partial rotary, as HF Phi-3)."""
+def rotation_sines(sin: torch.Tensor) -> torch.Tensor:
+    """sin [T, 1, R] with its first half negated, made once a step: rotate_half(x) * sin is then
+    (x's halves swapped) * rotation_sines(sin), the same bits (negating a factor is exact) with one
+    graph node fewer per rotation than rotate_half's negation. (x.roll for the swap is one node in the
+    export but four in AOTInductor's re-trace, and it changed which bf16 products Inductor rounds.)"""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos and `rotation_sines` [T, 1, R] (half-split rotation, as HF Llama; the 1
+    broadcasts over heads, made once a step, not per layer) over the first R <= D dims of each head;
+    the rest pass through (partial rotary, as HF Phi-3)."""
     rotary_dims = cos.shape[-1]
     if rotary_dims < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :rotary_dims], cos, sin), x[..., rotary_dims:]), dim=-1)
+        return torch.cat((apply_rope(x[..., :rotary_dims], cos, signed_sin), x[..., rotary_dims:]), dim=-1)
     half = rotary_dims // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):
@@ -154,6 +163,7 @@ class Attention(nn.Module):
         self.ops = ops
         # Qwen3, Gemma 3 normalize each head's q and k before RoPE, OLMoE all heads together; an
         # identity keeps one forward for all
+        self.qk_norm = spec.qk_norm
         self.qk_norm_across_heads = spec.qk_norm_across_heads
         q_width, k_width = (self.q_dim, self.kv_dim) if spec.qk_norm_across_heads else (spec.head_dim, spec.head_dim)
         self.q_norm: nn.Module = _norm_or_identity(spec, q_width, spec.qk_norm)
@@ -163,7 +173,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         layout: AttentionLayout,
@@ -171,7 +181,29 @@ class Attention(nn.Module):
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        qk, v = self.qkv(x).split([self.q_dim + self.kv_dim, self.kv_dim], dim=-1)
+        q, k = self._rotated_heads(qk, cos, signed_sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
+        out = self.ops.attend(
+            q, k_pool, v_pool, positions, layout, self.block_size, self.scale, self.variant, self.sinks
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_dim))
+
+    def _rotated_heads(
+        self, qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, q_dim + kv_dim] -> q [T, heads, D], k [T, kv_heads, D], normed and rotated. Without a
+        q/k norm the two share one rotation over all their heads: the step graph's nodes grow with
+        depth, and each is compile time (SmolLM2: 5 nodes fewer per layer)."""
+        num_tokens = qk.shape[0]
+        if not self.qk_norm:
+            heads = qk.reshape(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.rotary:
+                heads = apply_rope(heads, cos, signed_sin)
+            q, k = heads.split([self.num_heads, self.num_kv_heads], dim=1)
+            return q, k
+        q, k = qk.split([self.q_dim, self.kv_dim], dim=-1)
         if self.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -179,13 +211,8 @@ class Attention(nn.Module):
         if not self.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.write_kv(k_pool, v_pool, slot_mapping, k, v)
-        out = self.ops.attend(
-            q, k_pool, v_pool, positions, layout, self.block_size, self.scale, self.variant, self.sinks
-        )
-        return self.o_proj(out.reshape(num_tokens, self.q_dim))
+            q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
+        return q, k
 
 
 def _norm_or_identity(spec: ModelSpec, dim: int, present: bool) -> nn.Module:
@@ -354,10 +381,10 @@ class StepNetwork(nn.Module):
         if self.spec.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers
             x = x * torch.full((), self.spec.embed_scale, dtype=x.dtype, device=x.device)
         cos = cast(self.rope_cos[positions], x.dtype)[:, None, :]
-        sin = cast(self.rope_sin[positions], x.dtype)[:, None, :]
+        sin = rotation_sines(cast(self.rope_sin[positions], x.dtype)[:, None, :])
         if self.spec.local_rope_theta is not None:
             local_cos = cast(self.rope_local_cos[positions], x.dtype)[:, None, :]
-            local_sin = cast(self.rope_local_sin[positions], x.dtype)[:, None, :]
+            local_sin = rotation_sines(cast(self.rope_local_sin[positions], x.dtype)[:, None, :])
         for index, layer in enumerate(self.layers):
             k_pool, v_pool = kv_pools[2 * index], kv_pools[2 * index + 1]
             layer_cos, layer_sin = (local_cos, local_sin) if layer.local_rope else (cos, sin)
