@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -200,6 +201,7 @@ def build_ifb(gguf: Path, compute: str, folder: Path, compile_step: bool) -> Eng
     # as tests/e2e/test_converter_conformance.py builds its engines: no AOT compile, no calibration
     with (
         mock.patch.object(builder_build, "compile_in_child_process", _uncompiled_step),
+        mock.patch.object(builder_build, "started_compile_process", nullcontext),
         mock.patch.object(builder_build, "calibrate_engine_folder", lambda *args, **kwargs: None),
         mock.patch.object(compile_cpu, "build_quant_library", quant_library_once),
     ):

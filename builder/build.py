@@ -16,7 +16,12 @@ import torch
 from ifb.builder.backends import Backend, compiler_for
 from ifb.builder.build_clock import BuildClock
 from ifb.builder.calibrate import calibrate_engine_folder
-from ifb.builder.compile_process import compile_in_child_process, refuse_in_spawned_bootstrap
+from ifb.builder.compile_process import (
+    CompileProcess,
+    compile_in_child_process,
+    refuse_in_spawned_bootstrap,
+    started_compile_process,
+)
 from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.engine_writer import atomic_engine_folder, write_engine_json
 from ifb.builder.errors import BuildError
@@ -224,6 +229,18 @@ def build_engine(
     refuse_in_spawned_bootstrap()
     check_kv_dtype_option(options.kv_dtype, options.backend)  # first: refuse an unusable option pair
     build_dtype(options)  # before any work (and before the tensorrt backend looks for a GPU)
+    # started first: its imports run on the other core while this process reads and packs the file
+    with started_compile_process() as compile_process:
+        return _build_engine(source, output, options, on_stage, compile_process)
+
+
+def _build_engine(
+    source: str | Path | None,
+    output: Path,
+    options: BuildOptions,
+    on_stage: Callable[[str], None],
+    compile_process: CompileProcess | None,
+) -> BuildSummary:
     clock = BuildClock()
 
     def phase(name: str) -> None:
@@ -251,7 +268,14 @@ def build_engine(
         recipe = _convert(metadata, limits, dtype, options, folder / WEIGHTS_FILE)
         phase("compile")
         compiled, compile_peak = compile_in_child_process(
-            options.backend, recipe, folder / WEIGHTS_FILE, limits, kv_dtype, folder, reuse=options.cache
+            options.backend,
+            recipe,
+            folder / WEIGHTS_FILE,
+            limits,
+            kv_dtype,
+            folder,
+            reuse=options.cache,
+            process=compile_process,
         )
         clock.count_child(compile_peak)
         phase("write")

@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,6 +34,61 @@ from ifb.runtime.parent_watch import exit_with_parent
 from ifb.runtime.step.kv_pool import engine_kv_pool
 
 
+class CompileProcess:
+    """The spawned process that runs the compile phase, started when the build starts: its imports
+    (torch's compiler stack: 4.8-6.1 s on these 2 cores under a test run's load) then run on the
+    other core while the parent reads and packs the file, instead of after them."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(
+            max_workers=1,
+            mp_context=context,
+            initializer=_start_child,
+            initargs=(os.getpid(), logging.getLogger().getEffectiveLevel(), torch.get_num_threads()),
+        )
+        self._pool.submit(_import_compiler)  # the first job starts the process
+
+    def compile(
+        self,
+        backend: BackendKind,
+        recipe: NetworkRecipe,
+        weights_path: Path,
+        limits: EngineLimits,
+        kv_dtype: str,
+        folder: Path,
+        reuse: bool,
+    ) -> tuple[CompiledStep, int]:
+        """Run the compile phase; the process ends with it, so the build's later phases do not share
+        the machine's memory with what the compile left behind (the module docstring)."""
+        try:
+            return self._pool.submit(_compile, backend, recipe, weights_path, limits, kv_dtype, folder, reuse).result()
+        except BrokenProcessPool as error:
+            raise BuildError(
+                "the step compile process ended before compiling (killed, out of memory, or a script that "
+                "builds engines at import: a spawned process imports the main module, so call the builder "
+                "under `if __name__ == '__main__':`)"
+            ) from error
+        finally:
+            self.close(wait=True)
+
+    def close(self, wait: bool) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+@contextmanager
+def started_compile_process() -> Iterator[CompileProcess]:
+    """A CompileProcess for the block. A build that fails does not wait for the process's imports to
+    finish: the process ends on its own once they have (or with the builder, whichever is first)."""
+    process = CompileProcess()
+    try:
+        yield process
+    except BaseException:
+        process.close(wait=False)
+        raise
+    process.close(wait=True)
+
+
 def compile_in_child_process(
     backend: BackendKind,
     recipe: NetworkRecipe,
@@ -40,30 +97,27 @@ def compile_in_child_process(
     kv_dtype: str,
     folder: Path,
     reuse: bool = True,
+    process: CompileProcess | None = None,
 ) -> tuple[CompiledStep, int]:
-    """The compiled step, and the compile process's peak resident bytes. `reuse`: copy compiled
-    code this machine's cache holds for the same graph (builder/artifact_cache.py)."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        max_workers=1,
-        mp_context=context,
-        initializer=_start_child,
-        initargs=(os.getpid(), logging.getLogger().getEffectiveLevel(), torch.get_num_threads()),
-    ) as pool:
-        try:
-            return pool.submit(_compile, backend, recipe, weights_path, limits, kv_dtype, folder, reuse).result()
-        except BrokenProcessPool as error:
-            raise BuildError(
-                "the step compile process ended before compiling (killed, out of memory, or a script that "
-                "builds engines at import: a spawned process imports the main module, so call the builder "
-                "under `if __name__ == '__main__':`)"
-            ) from error
+    """The compiled step, and the compile process's peak resident bytes, from `process` (started
+    earlier) or a process of its own. `reuse`: copy compiled code this machine's cache holds for
+    the same graph (builder/artifact_cache.py)."""
+    if process is not None:
+        return process.compile(backend, recipe, weights_path, limits, kv_dtype, folder, reuse)
+    with started_compile_process() as own:
+        return own.compile(backend, recipe, weights_path, limits, kv_dtype, folder, reuse)
 
 
 def _start_child(parent_pid: int, log_level: int, threads: int) -> None:
     exit_with_parent(parent_pid)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
+
+
+def _import_compiler() -> None:
+    """What every compile imports before its first step (the parent is reading the file meanwhile)."""
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.export  # noqa: F401
 
 
 def _compile(

@@ -78,3 +78,20 @@ def test_a_script_that_builds_at_import_gets_an_error_not_a_hang(tiny_llama_dir:
     assert result.returncode != 0
     assert "if __name__ == '__main__':" in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "engine").exists()
+
+
+def test_a_build_that_fails_before_compiling_leaves_no_compile_process(tmp_path: Path) -> None:
+    # the compile process starts with the build (its imports overlap the read and pack phases), so a
+    # build refused in its read phase has one to end
+    from ifb.builder.build import BuildOptions, build_engine
+    from ifb.builder.errors import BuildError
+
+    missing = tmp_path / "missing.gguf"
+    try:
+        build_engine(missing, tmp_path / "engine", BuildOptions(max_batch_size=2, max_seq_len=64))
+    except (BuildError, FileNotFoundError, ValueError) as error:
+        assert "missing.gguf" in str(error)
+    else:
+        raise AssertionError("a build of a missing file succeeded")
+    wait_until(lambda: not compile_children(psutil.Process()), 120, "the compile process to end")
+    assert not (tmp_path / "engine").exists()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,10 +246,18 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _uncompiled_step(
-    backend: Any, recipe: Any, weights_path: Path, limits: Any, kv_dtype: str, folder: Path, reuse: bool = True
+    backend: Any,
+    recipe: Any,
+    weights_path: Path,
+    limits: Any,
+    kv_dtype: str,
+    folder: Path,
+    reuse: bool = True,
+    process: Any = None,
 ) -> Any:
     """The compile phase without the AOT compile: the kernel library a block engine's eager step
-    needs, and no step package (the engine runs StepMode.EAGER)."""
+    needs, and no step package (the engine runs StepMode.EAGER). With it goes `nullcontext` for
+    `started_compile_process`: no compile process to start."""
     kernels = build_engine_kernels(folder, ArtifactCache(reuse=reuse))[0] if recipe.weight_formats else None
     return CompiledStep("step.pt2", kernels=kernels, constants_external=bool(recipe.weight_formats)), 0
 
@@ -268,6 +277,7 @@ def engines(converted: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             else:
                 with pytest.MonkeyPatch.context() as patch:
                     patch.setattr(builder_build, "compile_in_child_process", _uncompiled_step)
+                    patch.setattr(builder_build, "started_compile_process", nullcontext)
                     patch.setattr(builder_build, "calibrate_engine_folder", lambda folder, build_info, **_: None)
                     build_engine(converted[key], root / key, options)
             built[key] = Engine.load(root / key, StepMode.COMPILED if COMPILE else StepMode.EAGER, verify=COMPILE)
