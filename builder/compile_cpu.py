@@ -37,7 +37,14 @@ logger = logging.getLogger(__name__)
 # max_autotune with Inductor's C++ GEMM templates was measured too: on the full SmolLM2 step it
 # picked kernels no faster than the packed MKL ones (decode b1/b8/b32: 23/47/147 ms vs
 # 26/44/133 ms) and added a minute of compile, so it stays off.
-INDUCTOR_CONFIGS: dict[str, object] = {"freezing": True}
+INDUCTOR_CONFIGS: dict[str, object] = {
+    "freezing": True,
+    # The fusion search pairs every node with the next 64 that read the same buffer; the step's
+    # per-step inputs (slots, query rows, rope tables) are read by every layer, so most pairs span
+    # layers and cannot fuse (layer i+1 depends on layer i). Nodes of one layer that share a buffer
+    # are a few apart in it.
+    "max_fusion_buffer_group_pairwise_attempts": 8,
+}
 KERNELS_DIR = "kernels"
 
 
