@@ -44,6 +44,10 @@ INDUCTOR_CONFIGS: dict[str, object] = {
     # layers and cannot fuse (layer i+1 depends on layer i). Nodes of one layer that share a buffer
     # are a few apart in it.
     "max_fusion_buffer_group_pairwise_attempts": 8,
+    # The wrapper's per-call shape checks run only under AOTI_RUNTIME_CHECK_INPUTS, yet g++ compiles
+    # them every build; the line tables serve native profilers, which a build does not need.
+    "size_asserts": False,
+    "aot_inductor.enable_line_tables": False,
 }
 KERNELS_DIR = "kernels"
 
