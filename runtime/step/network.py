@@ -195,7 +195,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, q_dim + kv_dim] -> q [T, heads, D], k [T, kv_heads, D], normed and rotated. Without a
         q/k norm the two share one rotation over all their heads: the step graph's nodes grow with
-        depth, and each is compile time (SmolLM2: 5 nodes fewer per layer)."""
+        depth, and each is compile time (with `rotation_sines`, SmolLM2's step 1,953 -> 1,747 nodes)."""
         num_tokens = qk.shape[0]
         if not self.qk_norm:
             heads = qk.reshape(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
