@@ -146,9 +146,11 @@ class LLM(FrontendClient):
         return engine
 
     def _use_measured(self, model: StepCostModel, source: CostModelSource) -> None:
-        """On the executor's thread, between steps: the budget sizes steps with `model` from now on."""
-        self.cost_model.measured(model, source)
+        """On the executor's thread, between steps: the budget sizes steps with `model` from now on.
+        The budget is swapped before the source is published, so /health never reports a measured
+        source over the conservative budget (a CI run read the two in between, stop 52)."""
         self.executor.scheduler.step_budget = self._step_budget(model)
+        self.cost_model.measured(model, source)
 
     @property
     def engine(self) -> Engine:

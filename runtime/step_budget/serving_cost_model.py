@@ -58,8 +58,8 @@ class ServingCostModel:
         logger.info("step cost model: %s (key %s)", self.source.value, self.key.digest[:12])
 
     def measured(self, model: StepCostModel, source: CostModelSource) -> None:
-        """A fit timed on this engine now: used from here on and stored for the next load."""
-        self.model, self.source = model, source
+        """A fit timed on this engine now: stored for the next load, then published as this
+        engine's (a reader that sees the new `source` finds the fit stored too)."""
         if model.max_relative_error <= NOISY_FIT:
             self.cache.put(self.key, model)
             logger.info("step cost model %s and stored under key %s", source.value, self.key.digest[:12])
@@ -69,6 +69,7 @@ class ServingCostModel:
                 source.value,
                 100 * model.max_relative_error,
             )
+        self.model, self.source = model, source
 
 
 class CostModelInfoCollector(Collector):

@@ -95,6 +95,13 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[GatedCalibrator]]:
         calibrator.allow(float("inf"))  # never leave the host spinning on a held calibrator
 
 
+def wait_for_idle_calibration(llm: LLM) -> None:
+    """Until the executor dropped its idle work, which it does once the fit was stored, swapped into
+    the budget and published (`on_fitted` returned), or once the work failed."""
+    wait_until(lambda: llm.executor.idle_work is None, 60, "the idle calibration")
+    assert llm.cost_model.source is CostModelSource.CALIBRATED_IDLE
+
+
 def test_the_build_leaves_the_cost_model_pending(pending_engine: Path) -> None:
     config = EngineConfig.load(pending_engine)
     assert config.cost_model is None and config.build_info["cost_model"] == "pending"
@@ -113,7 +120,7 @@ def test_a_request_is_served_before_any_calibration_finished(
         assert calibrator.progress.num_steps == 0 and llm.cost_model.source is CostModelSource.PENDING
         assert llm.health_report().body["step_budget"]["cost_model_source"] == "pending"
         calibrator.allow(float("inf"))
-        wait_until(lambda: llm.cost_model.source is CostModelSource.CALIBRATED_IDLE, 60, "the idle calibration")
+        wait_for_idle_calibration(llm)
         budget = llm.executor.scheduler.step_budget
         assert isinstance(budget, RelativeTargetBudget) and budget.cost_model == llm.cost_model.model
         assert calibrator.done and llm.executor.idle_work is None
@@ -143,7 +150,7 @@ def test_calibration_yields_to_a_request_and_completes_after_it(
         output = llm.generate([PROMPT], GREEDY)[0]
         llm.executor.step_started_listeners.remove(on_step)
         assert len(output.token_ids) == 8
-        wait_until(lambda: llm.cost_model.source is CostModelSource.CALIBRATED_IDLE, 60, "the idle calibration")
+        wait_for_idle_calibration(llm)
     first, last = events.index("request"), len(events) - 1 - events[::-1].index("request")
     assert events[:first] == ["calibration"] * 3
     assert events[first : last + 1] == ["request"] * (last - first + 1), events
@@ -153,7 +160,7 @@ def test_calibration_yields_to_a_request_and_completes_after_it(
 
 def test_the_fit_is_stored_and_the_next_load_reuses_it(pending_engine: Path) -> None:
     with LLM(pending_engine) as llm:
-        wait_until(lambda: llm.cost_model.source is CostModelSource.CALIBRATED_IDLE, 60, "the idle calibration")
+        wait_for_idle_calibration(llm)
         fitted = llm.cost_model.model
         assert CostModelCache().get(llm.cost_model.key) == fitted
     with LLM(pending_engine) as again:
@@ -168,7 +175,7 @@ def test_calibrate_measures_before_serving_even_with_a_stored_fit(pending_engine
     """`ifb run --calibrate`: timed at start (before the LLM is returned), over a stored fit, which
     it replaces; no idle calibration follows."""
     with LLM(pending_engine) as first:
-        wait_until(lambda: first.cost_model.source is CostModelSource.CALIBRATED_IDLE, 60, "the idle calibration")
+        wait_for_idle_calibration(first)
         stored = first.cost_model.model
     with LLM(pending_engine, calibrate=True) as llm:
         assert llm.cost_model.source is CostModelSource.CALIBRATED_AT_START
@@ -195,7 +202,7 @@ def test_a_build_with_a_stored_fit_reuses_it_and_times_nothing(
     assert build_calibration.calibrate_engine_folder(folder, dict, defer=True) is None
     assert EngineConfig.load(folder).build_info["cost_model"] == "pending"
     with LLM(pending_engine) as llm:
-        wait_until(lambda: llm.cost_model.source is CostModelSource.CALIBRATED_IDLE, 60, "the idle calibration")
+        wait_for_idle_calibration(llm)
         fitted = llm.cost_model.model
     assert build_calibration.calibrate_engine_folder(folder, dict, defer=True) == fitted
     config = EngineConfig.load(folder)
@@ -209,7 +216,7 @@ def test_a_no_cache_build_is_timed_when_serving_over_a_stored_fit(pending_engine
     import shutil
 
     with LLM(pending_engine) as llm:
-        wait_until(lambda: llm.cost_model.source is CostModelSource.CALIBRATED_IDLE, 60, "the idle calibration")
+        wait_for_idle_calibration(llm)
         stored = llm.cost_model.model
     folder = tmp_path / "engine"
     shutil.copytree(pending_engine, folder)
