@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ifb.builder.artifact_cache import ArtifactCache, ArtifactKey
+from ifb.builder.concurrent_objects import concurrent_object_builds
 from ifb.builder.step_export import dynamic_shapes, sample_args
 from ifb.plugins import quant_ops
 from ifb.plugins.quant_build import (
@@ -128,7 +129,8 @@ def compile_cpu_engine(
         if key is not None and cache is not None and cache.fetch(key, package_path):
             logger.info("reused the compiled step for this graph from %s", cache.root)
             return True
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(package_path), inductor_configs=configs)
+        with concurrent_object_builds():
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(package_path), inductor_configs=configs)
     if key is not None and cache is not None:
         cache.store(key, package_path)
     return False
