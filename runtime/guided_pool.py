@@ -89,6 +89,8 @@ class _Worker:
             )
         self.conn = Connection(ours.detach())
         self.conn.send(tokenizer_info_json)  # read before the worker imports xgrammar
+        self._kill_lock = threading.Lock()
+        self._socket_closed = False
 
     def exit_code(self) -> int | None:
         try:
@@ -113,10 +115,23 @@ class _Worker:
         status, detail = self.conn.recv()
         return str(status), str(detail)
 
-    def kill(self) -> None:
+    def stop(self) -> None:
+        """End the process, from any thread: a thread reading its socket then reads EOF and kills
+        the worker itself. The socket stays open, so that thread never reads a closed descriptor."""
         self.process.kill()
         self.exit_code()
-        self.conn.close()
+
+    def kill(self) -> None:
+        """End the process and close the socket, once, by the thread that holds the worker. Two
+        closes raced here (the pool's close and a starting worker's own failure path): the second
+        os.close raised EBADF in `ifb-grammar-start`, or closed whatever descriptor the server had
+        opened under that number in between."""
+        with self._kill_lock:
+            if self._socket_closed:
+                return
+            self._socket_closed = True
+            self.stop()
+            self.conn.close()
 
 
 class WorkerPool:
@@ -155,6 +170,12 @@ class WorkerPool:
         with self._cond:
             return self._num_workers - self._num_starting
 
+    @property
+    def num_starting(self) -> int:
+        """Workers whose start has not finished (held, spawning or loading xgrammar)."""
+        with self._cond:
+            return self._num_starting
+
     def worker_pids(self) -> list[int]:
         with self._cond:
             return [worker.process.pid for worker in self._live]
@@ -192,11 +213,10 @@ class WorkerPool:
                 failure = "the pool closed" if closed else worker.wait_ready()
         except Exception as error:  # the vocabulary failed to load, or the process to spawn
             failure = _first_line(error)
-        if failure is not None and worker is not None:
-            worker.kill()
         with self._cond:
             self._num_starting -= 1
-            if failure is None and worker is not None and not self._closed:
+            kept = failure is None and worker is not None and not self._closed
+            if kept and worker is not None:
                 self._idle.append(worker)
             else:
                 self._num_workers -= 1
@@ -206,6 +226,8 @@ class WorkerPool:
                     self._failure = failure
                     logger.warning("a grammar compile worker failed to start: %s", failure)
             self._cond.notify_all()
+        if not kept and worker is not None:  # failed, or up after the pool closed
+            worker.kill()
 
     def acquire(self, field: str) -> _Worker:
         """The next idle worker, in arrival order; waits while workers start (not part of any
@@ -249,15 +271,20 @@ class WorkerPool:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Kill every worker now, a compile in progress included; waiting requests are refused."""
+        """Kill every worker now, a compile in progress included; waiting requests are refused.
+        Idle workers are the pool's to kill; a starting or compiling worker's process is stopped
+        here and its socket closed by the thread reading it, which reads EOF."""
         with self._cond:
             self._closed = True
-            workers = list(self._live)
+            idle = list(self._idle)
+            held = [worker for worker in self._live if worker not in idle]
             self._live.clear()
             self._idle.clear()
             self._cond.notify_all()
-        for worker in workers:
+        for worker in idle:
             worker.kill()
+        for worker in held:
+            worker.stop()
 
 
 class GrammarCompiler:

@@ -4,6 +4,7 @@ the next request tries a start again, and closing the pool refuses whoever still
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -70,3 +71,31 @@ def test_closing_refuses_the_requests_still_waiting() -> None:
     assert len(outcome) == 1 and isinstance(outcome[0], EngineUnavailableError), outcome
     gate.set()  # the held start sees the pool closed and spawns nothing
     assert pool.worker_pids() == []
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_closing_while_a_worker_starts_ends_it_and_closes_its_socket_once() -> None:
+    """The pool's close and a starting worker's own failure path both used to close the worker's
+    socket: the second close raised EBADF in the start thread, or closed a descriptor opened
+    under the same number in between. Every round here closes while the worker is still loading
+    xgrammar (the invalid vocabulary makes it exit with a reason should it get that far)."""
+    errors: list[BaseException] = []
+    previous_hook = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)  # type: ignore[assignment]
+    try:
+        before = _open_descriptors()
+        for _ in range(3):
+            pool = WorkerPool(lambda: "not a tokenizer info")
+            wait_until(lambda pool=pool: pool.worker_pids() != [], 60, "the worker process to start")
+            (pid,) = pool.worker_pids()
+            pool.close()
+            wait_until(lambda pool=pool: pool.num_starting == 0, 60, "the start thread to finish")
+            with pytest.raises(ChildProcessError):  # killed and reaped by close()
+                os.waitpid(pid, os.WNOHANG)
+        assert errors == []
+        assert _open_descriptors() <= before  # an earlier test's worker may close its socket meanwhile
+    finally:
+        threading.excepthook = previous_hook
