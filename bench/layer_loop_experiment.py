@@ -91,7 +91,7 @@ class LoopedStepNetwork(StepNetwork):
         kv_pools: list[torch.Tensor],
     ) -> torch.Tensor:
         layout = AttentionLayout(
-            context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens
+            context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens, positions
         )
         x = self.embed(input_ids)
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]  # (fp32 engines)
@@ -118,6 +118,7 @@ class LoopedStepNetwork(StepNetwork):
                 layout.decode_query_rows,
                 layout.decode_block_tables + layer_blocks,
                 layout.decode_seq_lens,
+                positions,
             )
             slots = slot_mapping + i * slots_per_layer
             inputs = (h, cos, sin, positions, slots, moved, k_pool, v_pool)

@@ -167,40 +167,6 @@ def _context_attention(
     out.index_copy_(0, rows.flatten(), context_out.flatten(0, 1))
 
 
-def _context_attention_per_row(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    positions: torch.Tensor,
-    layout: AttentionLayout,
-    block_size: int,
-    scale: float,
-    variant: AttentionVariant,
-    sinks: torch.Tensor | None,
-) -> None:
-    """The context path through the decode kernel: each query row is its own item, over its
-    request's keys up to its own position.
-
-    Why not SDPA: its CPU kernels split queries and keys into blocks sized by the padded chunk
-    and context lengths, and the GEMMs inside sum in an order that follows those sizes, so a
-    prompt's logits moved in the last bits with its chunking and with prefix reuse (SmolLM2: 9 of
-    20 two-chunk splits of one prompt, up to 6.3e-5 in a logit; a reused chat prefix moved 2 of
-    8 first-token logprobs). Row by row in the kernel's one fixed order, a token's attention is
-    the same whether it is prefilled whole, in chunks, after a reused prefix, or decoded.
-    The kernel tiles a request's rows (they share its block table) over shared K/V loads, each
-    row still in decode's order: a 448-token chunk over 1,536 cached tokens read its keys ~2,000
-    times a row before (bench/prefill_attention.py).
-    Padded query entries repeat their request's last row and are computed twice, same value.
-    """
-    rows = layout.context_rows
-    queries, seq_lens = cast(q[rows], torch.float32), positions[rows] + 1
-    attended = _kernel_attention(
-        queries, k_pool, v_pool, layout.context_row_tables, seq_lens, block_size, scale, variant, sinks
-    )
-    out.index_copy_(0, rows, cast(attended, q.dtype))
-
-
 def _kernel_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -267,25 +233,35 @@ def paged_attention_decode_kernel(
     variant: AttentionVariant = PLAIN,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` with the decode path in our C++ kernel (plugins/csrc/paged_decode_attention.cpp),
-    which reads each request's K/V in place through its block table: at 32 rows x 256 tokens of
-    context it took the SmolLM2 int8 step from 55 to 42 ms (the compiled gather-and-reduce read
-    K/V at a quarter of the memory bandwidth; `bench/decode_attention.py`). Needs the engine's
-    kernel library loaded. The context path goes through the same kernel, row by row
-    (`_context_attention_per_row`), for batch invariance."""
-    out = torch.zeros_like(q)
-    _context_attention_per_row(out, q, k_pool, v_pool, positions, layout, block_size, scale, variant, sinks)
-    rows = layout.decode_query_rows
-    decoded = _kernel_attention(
+    """`paged_attention` in our C++ kernel (plugins/csrc/paged_decode_attention.cpp), which reads
+    each request's K/V in place through its block table: at 32 rows x 256 tokens of context it
+    took the SmolLM2 int8 step from 55 to 42 ms (the compiled gather-and-reduce read K/V at a
+    quarter of the memory bandwidth; `bench/decode_attention.py`). Needs the engine's kernel
+    library loaded. Context and decode rows go through it in one call (`layout.kernel_rows`),
+    each row over its request's keys up to its own position (`positions` is in the layout).
+
+    Why not SDPA for the context rows: its CPU kernels split queries and keys into blocks sized by
+    the padded chunk and context lengths, and the GEMMs inside sum in an order that follows those
+    sizes, so a prompt's logits moved in the last bits with its chunking and with prefix reuse
+    (SmolLM2: 9 of 20 two-chunk splits of one prompt, up to 6.3e-5 in a logit; a reused chat
+    prefix moved 2 of 8 first-token logprobs). Row by row in the kernel's one fixed order, a
+    token's attention is the same whether it is prefilled whole, in chunks, after a reused prefix,
+    or decoded. The kernel tiles a request's rows (they share its block table) over shared K/V
+    loads, each row still in decode's order: a 448-token chunk over 1,536 cached tokens read its
+    keys ~2,000 times a row before (bench/prefill_attention.py). Padded context entries repeat
+    their request's last row and are computed twice, same value."""
+    rows = layout.kernel_rows
+    attended = _kernel_attention(
         cast(q[rows], torch.float32),
         k_pool,
         v_pool,
-        layout.decode_block_tables,
-        layout.decode_seq_lens,
+        layout.kernel_row_tables,
+        layout.kernel_seq_lens,
         block_size,
         scale,
         variant,
         sinks,
     )
-    out.index_copy_(0, rows, cast(decoded, q.dtype))
+    out = torch.zeros_like(q)
+    out.index_copy_(0, rows, cast(attended, q.dtype))
     return out

@@ -375,7 +375,7 @@ class StepNetwork(nn.Module):
         kv_pools: list[torch.Tensor],
     ) -> torch.Tensor:
         layout = AttentionLayout(
-            context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens
+            context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens, positions
         )
         x = self.embed(input_ids)
         if self.spec.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers
