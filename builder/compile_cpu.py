@@ -120,6 +120,7 @@ def compile_cpu_engine(
         # Freezing makes new constants (prepacked dense weights, `_frozen_param*`) that no
         # weights file holds; weights bound at load must stay the network's own tensors.
         "freezing": constants_in_package,
+        "emulate_precision_casts": computes_in_low_precision(network),
     }
     with torch.no_grad():
         exported = torch.export.export(network, sample, dynamic_shapes=dynamic_shapes(limits, 2 * kv_cache.shape[0]))
@@ -134,6 +135,15 @@ def compile_cpu_engine(
     if key is not None and cache is not None:
         cache.store(key, package_path)
     return False
+
+
+def computes_in_low_precision(network: StepNetwork) -> bool:
+    """Whether the step computes in bf16 or fp16. Inductor then computes a fused chain of such ops
+    in fp32 and rounds once at the end, where eager (and transformers) round after every op; with
+    the context and decode rows in one attention call, that once moved a bf16 Qwen3 MoE's greedy
+    token off transformers' (logit 11.5 in eager, 12.125 compiled). Inductor's
+    `emulate_precision_casts` rounds where eager rounds; fp32 steps have nothing to round."""
+    return any(tensor.dtype in (torch.bfloat16, torch.float16) for tensor in network.parameters())
 
 
 def step_key(
