@@ -1,6 +1,6 @@
 """The compile phase of `ifb build` at two revisions of ifb, alternated in one run (issue #39).
 
-    .venv/bin/python bench/compile_ab.py --old HEAD~1 --rounds 2 [--new REV] [-- BUILD ARGS]
+    .venv/bin/python bench/compile_ab.py --old HEAD~1 --rounds 2 [--new REV] [--keep DIR] [-- BUILD ARGS]
 
 Each side builds the same source (the bundled SmolLM2 unless BUILD ARGS name one: `-- FILE.gguf`)
 in a fresh process from an empty compile cache that holds only this machine's kernel library (it
@@ -8,7 +8,8 @@ does not depend on the model, and `make install` compiles it once), so every rou
 step compile as a first build of a new file does. `--old`/`--new` are git revisions, extracted
 with `git archive`; `--new` defaults to the working tree. Prints each build's phases line and the
 step graph's node count, then each side's median compile seconds and their ratio. Sides
-alternate so that a change of load (another build, a test run) falls on both.
+alternate so that a change of load (another build, a test run) falls on both. `--keep DIR` leaves
+each side's last engine in DIR/old and DIR/new, for bench/step_ab.py.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ def extract_revision(revision: str, into: Path) -> Path:
     return into
 
 
-def build_once(package_root: Path | None, scratch: Path, build_args: list[str]) -> tuple[float, str]:
-    """(compile seconds, the build's phases and node-count lines) of one build from an empty cache."""
-    cache, engine = scratch / "cache", scratch / "engine"
+def build_once(package_root: Path | None, scratch: Path, engine: Path, build_args: list[str]) -> tuple[float, str]:
+    """(compile seconds, the build's phases and node-count lines) of one build into `engine` from an
+    empty cache."""
+    cache = scratch / "cache"
+    scratch.mkdir(parents=True, exist_ok=True)
+    engine.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(engine, ignore_errors=True)
     if KERNELS.is_dir():
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("--old", required=True, help="git revision of the baseline")
     parser.add_argument("--new", default=None, help="git revision to compare (default: the working tree)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--keep", type=Path, default=None, help="leave each side's last engine in KEEP/old, KEEP/new")
     parser.add_argument("build_args", nargs="*", help="after --: the source and options of `ifb build`")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ifb-compile-ab-") as temp:
@@ -79,7 +84,8 @@ def main() -> None:
         seconds: dict[str, list[float]] = {"old": [], "new": []}
         for round_index in range(args.rounds):
             for side, package_root in sides.items():
-                compile_s, lines = build_once(package_root, root / "scratch", args.build_args)
+                engine = (args.keep or root / "engines") / side
+                compile_s, lines = build_once(package_root, root / "scratch", engine.resolve(), args.build_args)
                 seconds[side].append(compile_s)
                 load = Path("/proc/loadavg").read_text().split()[0]
                 print(
