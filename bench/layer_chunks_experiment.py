@@ -1,0 +1,275 @@
+"""Experiment for #39 (compile time independent of depth): a built engine's step as three compiled
+graphs, the embedding, ONE chunk of K decoder layers and the head, with the chunk's model library
+loaded as L/K AOTInductor containers, each bound by name to its own layers' weights. Against the
+engine's own unrolled step, on the same inputs.
+
+Not the engine's code path. It answers, before the builder is changed: what the three graphs cost
+to compile against the unrolled step's compile (the build's compile phase, printed by `ifb build`),
+whether the chunked step gives the unrolled step's logits bit for bit, and what the extra container
+runs cost a step. Unlike bench/layer_loop_experiment.py's while_loop, nothing about the weights
+file or the KV pools changes: the containers take the engine's per-layer pools and bind the mapped
+weights file's tensors, as AotiStep binds a weightless package's constants today.
+
+    .venv/bin/python bench/layer_chunks_experiment.py ENGINE_DIR --chunk-layers 6 [--rounds 6]
+
+ENGINE_DIR: a CPU engine with block-quantized weights (its package is weightless), e.g. one
+`ifb build -o DIR --calibration serve` of the bundled SmolLM2. K must divide the layer count, and
+the layers must be alike (same formats and attention kind); the experiment checks both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ifb.builder.compile_cpu import INDUCTOR_CONFIGS, compile_cpu_engine
+from ifb.builder.concurrent_objects import concurrent_object_builds
+from ifb.builder.step_export import dynamic_shapes, sample_step_inputs
+from ifb.plugins import quant_ops
+from ifb.plugins.layout import AttentionLayout
+from ifb.runtime.step.aoti_step import AotiStep
+from ifb.runtime.step.backend import NetworkStep, StepMode
+from ifb.runtime.step.engine import Engine, kv_pool_views
+from ifb.runtime.step.kv_pool import engine_kv_pool
+from ifb.runtime.step.network import StepNetwork, cast, rotation_sines
+from ifb.runtime.step.step_inputs import RequestSlice, StepInputs, build_step_inputs
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step import CONTEXT, PREFILL, decode_inputs, median_ms  # noqa: E402
+
+OUT = Path(__file__).parent / "out" / "layer_chunks"
+
+
+class EmbedGraph(nn.Module):
+    def __init__(self, network: StepNetwork) -> None:
+        super().__init__()
+        self.embed, self.spec = network.embed, network.spec
+        # a tied block embedding reads the head's tiles, which it does not register: registered
+        # here, they are a named constant rather than a lifted one the binding could not name
+        self.lm_head = network.lm_head
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        if self.spec.embed_scale is not None:
+            x = x * torch.full((), self.spec.embed_scale, dtype=x.dtype, device=x.device)
+        return x
+
+
+class ChunkGraph(nn.Module):
+    """Layers [first, first + K) of the network; the same FQNs (`layers.0..K-1.*`) for every chunk."""
+
+    def __init__(self, network: StepNetwork, first: int, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(network.layers[first : first + num_layers])
+        self.register_buffer("rope_cos", network.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", network.rope_sin, persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_query_rows: torch.Tensor,
+        context_block_tables: torch.Tensor,
+        decode_query_rows: torch.Tensor,
+        decode_block_tables: torch.Tensor,
+        decode_seq_lens: torch.Tensor,
+        kv_pools: list[torch.Tensor],
+    ) -> torch.Tensor:
+        layout = AttentionLayout(
+            context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens, positions
+        )
+        cos = cast(self.rope_cos[positions], x.dtype)[:, None, :]
+        sin = rotation_sines(cast(self.rope_sin[positions], x.dtype)[:, None, :])
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, slot_mapping, layout, kv_pools[2 * index], kv_pools[2 * index + 1])
+        return x
+
+
+class HeadGraph(nn.Module):
+    def __init__(self, network: StepNetwork) -> None:
+        super().__init__()
+        self.norm, self.lm_head, self.spec = network.norm, network.lm_head, network.spec
+
+    def forward(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(x[logits_indices]))
+        if self.spec.final_logit_softcap is not None:
+            cap = self.spec.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return cast(logits, torch.float32)
+
+
+def _compile(module: nn.Module, args: tuple[object, ...], shapes: tuple[object, ...], tag: str) -> tuple[Path, str]:
+    configs = {
+        **INDUCTOR_CONFIGS,
+        **quant_ops.aoti_configs(),
+        "aot_inductor.package_constants_in_so": False,
+        "freezing": False,
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    package = OUT / f"{tag}.pt2"
+    started = time.perf_counter()
+    with torch.no_grad():
+        exported = torch.export.export(module.eval(), args, dynamic_shapes=shapes)
+        exported_s = time.perf_counter() - started
+        with concurrent_object_builds():
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(package), inductor_configs=configs)
+    total_s = time.perf_counter() - started
+    return (
+        package,
+        f"{tag:6s} nodes {len(exported.graph.nodes):5d}  export {exported_s:5.1f} s  export+compile {total_s:5.1f} s",
+    )
+
+
+def _constants(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+class ChunkedStep:
+    """embed -> chunk containers in layer order -> head, each an AotiStep's container."""
+
+    def __init__(self, network: StepNetwork, packages: dict[str, Path], chunk_layers: int) -> None:
+        self.chunk_layers = chunk_layers
+        self.embed = AotiStep(packages["embed"], _constants(EmbedGraph(network)))
+        self.head = AotiStep(packages["head"], _constants(HeadGraph(network)))
+        self.chunks = [
+            AotiStep(packages["chunk"], _constants(ChunkGraph(network, first, chunk_layers)))
+            for first in range(0, len(network.layers), chunk_layers)
+        ]
+
+    def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor:
+        args = inputs.as_args()
+        (x,) = self.embed._container.run([args[0]])
+        per_step = list(args[1:8])
+        pools_per_chunk = 2 * self.chunk_layers
+        for index, chunk in enumerate(self.chunks):
+            pools = kv_pools[index * pools_per_chunk : (index + 1) * pools_per_chunk]
+            (x,) = chunk._container.run([x, *per_step, *pools])
+        (logits,) = self.head._container.run([x, args[8]])
+        return logits
+
+
+def _check_alike(network: StepNetwork, chunk_layers: int) -> None:
+    num_layers = len(network.layers)
+    if num_layers % chunk_layers:
+        raise SystemExit(f"--chunk-layers {chunk_layers} does not divide the model's {num_layers} layers")
+    signatures = {
+        tuple((name, tuple(t.shape), t.dtype) for name, t in _constants(layer).items()) for layer in network.layers
+    }
+    local = {getattr(layer, "local_rope", False) for layer in network.layers}
+    if len(signatures) != 1 or len(local) != 1:
+        raise SystemExit(
+            "the layers differ (formats, shapes or attention kind): one chunk package cannot serve them all"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("engine", type=Path)
+    parser.add_argument("--chunk-layers", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--reuse", action="store_true", help="load the packages a previous run left in bench/out")
+    parser.add_argument(
+        "--compile-unrolled",
+        action="store_true",
+        help="also compile the unrolled step here, for a same-load comparison",
+    )
+    args = parser.parse_args()
+    eager = Engine.load(args.engine, StepMode.EAGER)  # loads the kernel library; maps the weights
+    assert isinstance(eager.backend, NetworkStep)
+    network = eager.backend.network
+    config = eager.config
+    if not config.step_constants_external:
+        raise SystemExit("the engine's step package holds its weights (a dense engine): chunks need a weightless one")
+    _check_alike(network, args.chunk_layers)
+
+    limits, k = config.limits, args.chunk_layers
+    step_args = sample_step_inputs(limits).as_args()
+    shapes = dynamic_shapes(limits, 2 * k)
+    per_input = shapes[:9]
+    pools = kv_pool_views(engine_kv_pool(config.spec, limits, config.kv_dtype))[: 2 * k]
+    x = torch.zeros(step_args[0].shape[0], config.spec.hidden_size, dtype=getattr(torch, config.dtype))
+    graphs = {
+        "embed": (EmbedGraph(network), (step_args[0],), (per_input[0],)),
+        f"chunk{k}": (ChunkGraph(network, 0, k), (x, *step_args[1:8], pools), (*per_input[:8], [None] * (2 * k))),
+        "head": (HeadGraph(network), (x, step_args[8]), (per_input[0], per_input[8])),
+    }
+    packages: dict[str, Path] = {}
+    compile_started = time.perf_counter()
+    for tag, (module, sample, sample_shapes) in graphs.items():
+        if args.reuse and (OUT / f"{tag}.pt2").exists():
+            packages[tag.rstrip("0123456789")] = OUT / f"{tag}.pt2"
+            continue
+        packages[tag.rstrip("0123456789")], line = _compile(module, sample, sample_shapes, tag)
+        print(line, flush=True)
+    built = config.build_info.get("stage_seconds", {}).get("compile", "?")
+    print(
+        f"three graphs, one after the other: {time.perf_counter() - compile_started:.1f} s "
+        f"(the engine's own build: {built} s compile phase)"
+    )
+
+    if args.compile_unrolled:
+        started = time.perf_counter()
+        kv_cache = engine_kv_pool(config.spec, limits, config.kv_dtype)
+        compile_cpu_engine(network, limits, kv_cache, OUT / "unrolled.pt2", constants_in_package=False)
+        print(f"the unrolled step, export+compile here: {time.perf_counter() - started:.1f} s", flush=True)
+
+    chunked = ChunkedStep(network, packages, k)
+    unrolled = Engine.load(args.engine, StepMode.COMPILED)
+    pools_chunked = kv_pool_views(engine_kv_pool(config.spec, limits, config.kv_dtype))
+    bs, vocab = limits.block_size, config.spec.vocab_size
+    steps = [
+        [
+            RequestSlice([(3 + 11 * i) % vocab for i in range(37)], 0, [0, 1, 2], True),
+            RequestSlice([(7 + 13 * i) % vocab for i in range(5)], 0, [10], True),
+        ],
+        [RequestSlice([(5 + 3 * i) % vocab for i in range(9)], 37, [0, 1, 2], True), RequestSlice([12], 5, [10], True)],
+        [RequestSlice([11], 46, [0, 1, 2, 3], True), RequestSlice([13], 6, [10], True)],
+    ]
+    with torch.inference_mode():
+        for index, slices in enumerate(steps):
+            inputs = build_step_inputs(slices, bs)
+            ours, theirs = chunked(inputs, pools_chunked), unrolled.step(inputs)
+            same = torch.equal(ours, theirs)
+            print(
+                f"step {index}: logits {'bit for bit equal' if same else 'DIFFER'} "
+                f"(max |diff| {(ours - theirs).abs().max().item():.3g})",
+                flush=True,
+            )
+
+        shapes_timed = {
+            "decode_b1": (decode_inputs(unrolled, 1), 30),
+            "decode_b8": (decode_inputs(unrolled, 8), 30),
+            f"prefill_{PREFILL}": (
+                build_step_inputs(
+                    [RequestSlice([(100 + i) % vocab for i in range(PREFILL)], 0, list(range(PREFILL // bs)), True)], bs
+                ),
+                5,
+            ),
+        }
+        times: dict[tuple[str, str], list[float]] = {}
+        for _ in range(args.rounds):
+            for name, (inputs, repeats) in shapes_timed.items():
+                times.setdefault((name, "unrolled"), []).append(median_ms(lambda i=inputs: unrolled.step(i), repeats))
+                times.setdefault((name, "chunked"), []).append(
+                    median_ms(lambda i=inputs: chunked(i, pools_chunked), repeats)
+                )
+    print(f"step time, {args.rounds} rounds alternated (context {CONTEXT} tokens for decode):")
+    for name in shapes_timed:
+        a, b = statistics.median(times[(name, "unrolled")]), statistics.median(times[(name, "chunked")])
+        pairs = zip(times[(name, "unrolled")], times[(name, "chunked")], strict=True)
+        rounds = " ".join(f"{u:.1f}/{c:.1f}" for u, c in pairs)
+        print(
+            f"  {name:12s} unrolled {a:8.2f} ms  chunked ({len(chunked.chunks)} chunks of {k}) {b:8.2f} ms  "
+            f"x{b / a:.3f}  rounds (unrolled/chunked): {rounds}"
+        )
+
+
+if __name__ == "__main__":
+    main()
