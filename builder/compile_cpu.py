@@ -141,7 +141,7 @@ def computes_in_low_precision(network: StepNetwork) -> bool:
     """Whether the step computes in bf16 or fp16. Inductor then computes a fused chain of such ops
     in fp32 and rounds once at the end, where eager (and transformers) round after every op; with
     the context and decode rows in one attention call, that once moved a bf16 Qwen3 MoE's greedy
-    token off transformers' (logit 11.5 in eager, 12.125 compiled). Inductor's
+    token off transformers' (token 163's logit 11.5 eager, 12.125 compiled). Inductor's
     `emulate_precision_casts` rounds where eager rounds; fp32 steps have nothing to round."""
     return any(tensor.dtype in (torch.bfloat16, torch.float16) for tensor in network.parameters())
 
