@@ -11,6 +11,7 @@ file or the KV pools changes: the containers take the engine's per-layer pools a
 weights file's tensors, as AotiStep binds a weightless package's constants today.
 
     .venv/bin/python bench/layer_chunks_experiment.py ENGINE_DIR --chunk-layers 6 [--rounds 6]
+    .venv/bin/python bench/layer_chunks_experiment.py --run-cost      # one container run's own cost
 
 ENGINE_DIR: a CPU engine with block-quantized weights (its package is weightless), e.g. one
 `ifb build -o DIR --calibration serve` of the bundled SmolLM2. K must divide the layer count, and
@@ -33,7 +34,7 @@ from ifb.builder.concurrent_objects import concurrent_object_builds
 from ifb.builder.step_export import dynamic_shapes, sample_step_inputs
 from ifb.plugins import quant_ops
 from ifb.plugins.layout import AttentionLayout
-from ifb.runtime.step.aoti_step import AotiStep
+from ifb.runtime.step.aoti_step import AotiStep, _Container, _extract_model_library
 from ifb.runtime.step.backend import NetworkStep, StepMode
 from ifb.runtime.step.engine import Engine, kv_pool_views
 from ifb.runtime.step.kv_pool import engine_kv_pool
@@ -155,6 +156,57 @@ class ChunkedStep:
         return logits
 
 
+class _TinyStep(nn.Module):
+    """A chunk's inputs with next to no work: a pointwise op and one row written to each pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(576), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        positions, slots, pools = rest[0], rest[1], rest[6:]
+        y = x * self.weight + positions[:, None].float()
+        for pool in pools:
+            pool.index_copy_(0, slots, y[:, :64].reshape(-1, 1, 64).expand(-1, 3, 64))
+        return y
+
+
+def container_run_cost(num_pools: int, runs: int = 2000) -> None:
+    """The median time of one container run through `_Container` (ctypes, no GIL) of a package
+    that takes a chunk's 7 per-step tensors and `num_pools` pools but does almost nothing: what
+    each extra container a step runs costs, whatever it computes. Six containers of one library
+    are run in turn, as a chunked step runs them, and one alone."""
+    rows = 4
+    sample = (
+        torch.randn(rows, 576),
+        *(torch.arange(rows) for _ in range(3)),
+        torch.zeros(rows, 8, dtype=torch.long),
+        torch.ones(rows, dtype=torch.long),
+        torch.arange(rows),
+        *(torch.zeros(1024, 3, 64) for _ in range(num_pools)),
+    )
+    OUT.mkdir(parents=True, exist_ok=True)
+    package = OUT / f"run_cost_{num_pools}.pt2"
+    torch._inductor.aoti_compile_and_package(torch.export.export(_TinyStep(), sample), package_path=str(package))
+    library = _extract_model_library(package, OUT / f"run_cost_{num_pools}")
+    containers = [_Container(library) for _ in range(6)]
+    inputs = list(sample)
+    for _ in range(200):  # warm: the first runs after a compile are slower
+        for container in containers:
+            container.run(inputs)
+    for count in (1, 6):
+        per_run = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            for container in containers[:count]:
+                container.run(inputs)
+            per_run.append((time.perf_counter() - started) / count)
+        print(
+            f"{7 + num_pools} inputs, {count} container(s) in turn: "
+            f"median {1e6 * statistics.median(per_run):.1f} us a run ({runs} runs)"
+        )
+
+
 def _check_alike(network: StepNetwork, chunk_layers: int) -> None:
     num_layers = len(network.layers)
     if num_layers % chunk_layers:
@@ -171,7 +223,8 @@ def _check_alike(network: StepNetwork, chunk_layers: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("engine", type=Path)
+    parser.add_argument("engine", type=Path, nargs="?")
+    parser.add_argument("--run-cost", action="store_true", help="time one container run of a tiny package, then exit")
     parser.add_argument("--chunk-layers", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reuse", action="store_true", help="load the packages a previous run left in bench/out")
@@ -181,6 +234,12 @@ def main() -> None:
         help="also compile the unrolled step here, for a same-load comparison",
     )
     args = parser.parse_args()
+    if args.run_cost:
+        for num_pools in (2, 10):
+            container_run_cost(num_pools)
+        return
+    if args.engine is None:
+        parser.error("ENGINE_DIR is needed unless --run-cost")
     eager = Engine.load(args.engine, StepMode.EAGER)  # loads the kernel library; maps the weights
     assert isinstance(eager.backend, NetworkStep)
     network = eager.backend.network
