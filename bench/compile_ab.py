@@ -79,8 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ifb-compile-ab-") as temp:
         root = Path(temp)
-        sides = {"old": extract_revision(args.old, root / "old")}
-        sides["new"] = None if args.new is None else extract_revision(args.new, root / "new")  # type: ignore[assignment]
+        new_root = None if args.new is None else extract_revision(args.new, root / "new")
+        sides: dict[str, Path | None] = {"old": extract_revision(args.old, root / "old"), "new": new_root}
         seconds: dict[str, list[float]] = {"old": [], "new": []}
         for round_index in range(args.rounds):
             for side, package_root in sides.items():

@@ -254,18 +254,24 @@ def main() -> None:
     per_input = shapes[:9]
     pools = kv_pool_views(engine_kv_pool(config.spec, limits, config.kv_dtype))[: 2 * k]
     x = torch.zeros(step_args[0].shape[0], config.spec.hidden_size, dtype=getattr(torch, config.dtype))
+    # role -> (package tag: the chunk's names its size, module, sample arguments, dynamic shapes)
     graphs = {
-        "embed": (EmbedGraph(network), (step_args[0],), (per_input[0],)),
-        f"chunk{k}": (ChunkGraph(network, 0, k), (x, *step_args[1:8], pools), (*per_input[:8], [None] * (2 * k))),
-        "head": (HeadGraph(network), (x, step_args[8]), (per_input[0], per_input[8])),
+        "embed": ("embed", EmbedGraph(network), (step_args[0],), (per_input[0],)),
+        "chunk": (
+            f"chunk{k}",
+            ChunkGraph(network, 0, k),
+            (x, *step_args[1:8], pools),
+            (*per_input[:8], [None] * (2 * k)),
+        ),
+        "head": ("head", HeadGraph(network), (x, step_args[8]), (per_input[0], per_input[8])),
     }
     packages: dict[str, Path] = {}
     compile_started = time.perf_counter()
-    for tag, (module, sample, sample_shapes) in graphs.items():
+    for role, (tag, module, sample, sample_shapes) in graphs.items():
         if args.reuse and (OUT / f"{tag}.pt2").exists():
-            packages[tag.rstrip("0123456789")] = OUT / f"{tag}.pt2"
+            packages[role] = OUT / f"{tag}.pt2"
             continue
-        packages[tag.rstrip("0123456789")], line = _compile(module, sample, sample_shapes, tag)
+        packages[role], line = _compile(module, sample, sample_shapes, tag)
         print(line, flush=True)
     built = config.build_info.get("stage_seconds", {}).get("compile", "?")
     print(
