@@ -3,7 +3,9 @@ graphs, the embedding, ONE chunk of K decoder layers and the head, with the chun
 loaded as L/K AOTInductor containers, each bound by name to its own layers' weights. Against the
 engine's own unrolled step, on the same inputs.
 
-Not the engine's code path. It answers, before the builder is changed: what the three graphs cost
+The chunk and head graphs are the product's since stop 56 (runtime/step/layer_chunks.py, which
+`ifb build` now compiles where builder/layer_chunk_plan.py finds it pays); the embedding package is
+this experiment's own (the product runs it eagerly). It answered, before the builder is changed: what the three graphs cost
 to compile against the unrolled step's compile (the build's compile phase, printed by `ifb build`),
 whether the chunked step gives the unrolled step's logits bit for bit, and what the extra container
 runs cost a step. Unlike bench/layer_loop_experiment.py's while_loop, nothing about the weights
@@ -33,12 +35,12 @@ from ifb.builder.compile_cpu import INDUCTOR_CONFIGS, compile_cpu_engine
 from ifb.builder.concurrent_objects import concurrent_object_builds
 from ifb.builder.step_export import dynamic_shapes, sample_step_inputs
 from ifb.plugins import quant_ops
-from ifb.plugins.layout import AttentionLayout
 from ifb.runtime.step.aoti_step import AotiStep, _Container, _extract_model_library
 from ifb.runtime.step.backend import NetworkStep, StepMode
 from ifb.runtime.step.engine import Engine, kv_pool_views
 from ifb.runtime.step.kv_pool import engine_kv_pool
-from ifb.runtime.step.network import StepNetwork, cast, rotation_sines
+from ifb.runtime.step.layer_chunks import HeadNetwork, LayerChunkNetwork
+from ifb.runtime.step.network import StepNetwork
 from ifb.runtime.step.step_inputs import RequestSlice, StepInputs, build_step_inputs
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,50 +62,6 @@ class EmbedGraph(nn.Module):
         if self.spec.embed_scale is not None:
             x = x * torch.full((), self.spec.embed_scale, dtype=x.dtype, device=x.device)
         return x
-
-
-class ChunkGraph(nn.Module):
-    """Layers [first, first + K) of the network; the same FQNs (`layers.0..K-1.*`) for every chunk."""
-
-    def __init__(self, network: StepNetwork, first: int, num_layers: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(network.layers[first : first + num_layers])
-        self.register_buffer("rope_cos", network.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", network.rope_sin, persistent=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        context_query_rows: torch.Tensor,
-        context_block_tables: torch.Tensor,
-        decode_query_rows: torch.Tensor,
-        decode_block_tables: torch.Tensor,
-        decode_seq_lens: torch.Tensor,
-        kv_pools: list[torch.Tensor],
-    ) -> torch.Tensor:
-        layout = AttentionLayout(
-            context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens, positions
-        )
-        cos = cast(self.rope_cos[positions], x.dtype)[:, None, :]
-        sin = rotation_sines(cast(self.rope_sin[positions], x.dtype)[:, None, :])
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, slot_mapping, layout, kv_pools[2 * index], kv_pools[2 * index + 1])
-        return x
-
-
-class HeadGraph(nn.Module):
-    def __init__(self, network: StepNetwork) -> None:
-        super().__init__()
-        self.norm, self.lm_head, self.spec = network.norm, network.lm_head, network.spec
-
-    def forward(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(x[logits_indices]))
-        if self.spec.final_logit_softcap is not None:
-            cap = self.spec.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return cast(logits, torch.float32)
 
 
 def _compile(module: nn.Module, args: tuple[object, ...], shapes: tuple[object, ...], tag: str) -> tuple[Path, str]:
@@ -138,9 +96,9 @@ class ChunkedStep:
     def __init__(self, network: StepNetwork, packages: dict[str, Path], chunk_layers: int) -> None:
         self.chunk_layers = chunk_layers
         self.embed = AotiStep(packages["embed"], _constants(EmbedGraph(network)))
-        self.head = AotiStep(packages["head"], _constants(HeadGraph(network)))
+        self.head = AotiStep(packages["head"], _constants(HeadNetwork(network)))
         self.chunks = [
-            AotiStep(packages["chunk"], _constants(ChunkGraph(network, first, chunk_layers)))
+            AotiStep(packages["chunk"], _constants(LayerChunkNetwork(network, first, chunk_layers)))
             for first in range(0, len(network.layers), chunk_layers)
         ]
 
@@ -259,11 +217,11 @@ def main() -> None:
         "embed": ("embed", EmbedGraph(network), (step_args[0],), (per_input[0],)),
         "chunk": (
             f"chunk{k}",
-            ChunkGraph(network, 0, k),
+            LayerChunkNetwork(network, 0, k),
             (x, *step_args[1:8], pools),
             (*per_input[:8], [None] * (2 * k)),
         ),
-        "head": ("head", HeadGraph(network), (x, step_args[8]), (per_input[0], per_input[8])),
+        "head": ("head", HeadNetwork(network), (x, step_args[8]), (per_input[0], per_input[8])),
     }
     packages: dict[str, Path] = {}
     compile_started = time.perf_counter()

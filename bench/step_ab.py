@@ -7,18 +7,21 @@ Engines built from the same file by two revisions of ifb (bench/compile_ab.py ke
 each with `ifb build -o DIR --calibration serve` at its revision) are timed on the same inputs:
 decode at batch 1 and 8 (CONTEXT tokens each, as bench/step.py), a mixed step (7 decode rows and a
 128-token chunk after 64 cached tokens) and a 512-token prefill. Each round takes the median of a
-few steps per shape and engine, the engines one after the other, so drift in the machine's load
-falls on all of them; the table gives each engine's median over rounds, every round's figure, and
-each engine's ratio to the first one with the rounds it was slower in.
+few steps per shape and engine, the engines' steps interleaved one by one, so drift in the
+machine's load falls on all of them; the table gives each engine's median over rounds, every
+round's figure, and the median of its per-round ratios to the first engine with the rounds it was
+slower in.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from step import CONTEXT, PREFILL, decode_inputs, median_ms
+from step import CONTEXT, PREFILL, decode_inputs
 
 from ifb.runtime.step.backend import StepMode
 from ifb.runtime.step.engine import Engine
@@ -48,6 +51,22 @@ def shapes(engine: Engine) -> dict[str, tuple[StepInputs, int]]:
     }
 
 
+def interleaved_ms(steps: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Each step's median time (ms) over `repeats`, the steps run in turn one at a time (A B A B ...),
+    so a change in the machine's speed state falls on all of them alike: this 2-core EPYC switches
+    between two (decode b1 ~5 or ~7 ms), and timing one engine's repeats after the other's put whole
+    rounds of one engine in the other state (per-round ratios of 0.83-1.28 at b8)."""
+    for step in steps * 2:
+        step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for index, step in enumerate(steps):
+            start = time.perf_counter()
+            step()
+            times[index].append(time.perf_counter() - start)
+    return [1000 * statistics.median(each) for each in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engines", nargs="+", type=Path)
@@ -55,23 +74,24 @@ def main() -> None:
     args = parser.parse_args()
     engines = {folder: Engine.load(folder, StepMode.COMPILED) for folder in args.engines}
     inputs = {folder: shapes(engine) for folder, engine in engines.items()}
+    first = args.engines[0]
     times: dict[tuple[str, Path], list[float]] = {}
     for _ in range(args.rounds):
-        for folder, engine in engines.items():
-            for name, (step_inputs, repeats) in inputs[folder].items():
-                ms = median_ms(lambda e=engine, x=step_inputs: e.step(x), repeats)
+        for name, (_, repeats) in inputs[first].items():
+            steps = [lambda e=engine, x=inputs[folder][name][0]: e.step(x) for folder, engine in engines.items()]
+            for folder, ms in zip(engines, interleaved_ms(steps, repeats), strict=True):
                 times.setdefault((name, folder), []).append(ms)
-    first = args.engines[0]
     for name in inputs[first]:
         base = times[(name, first)]
         for folder in args.engines:
             rounds = times[(name, folder)]
-            ratio = statistics.median(rounds) / statistics.median(base)
-            slower = sum(a > b for a, b in zip(rounds, base, strict=True))
+            ratios = [ms / b for ms, b in zip(rounds, base, strict=True)]
+            slower = sum(r > 1 for r in ratios)
             figures = " ".join(f"{ms:.2f}" for ms in rounds)
             print(
-                f"{name:14s} {str(folder):28s} {statistics.median(rounds):8.2f} ms  x{ratio:.3f} "
-                f"(slower in {slower}/{len(rounds)} rounds)  rounds: {figures}"
+                f"{name:14s} {str(folder):28s} {statistics.median(rounds):8.2f} ms  "
+                f"x{statistics.median(ratios):.3f} (median of the rounds' ratios; slower in {slower}/{len(rounds)} rounds)"
+                f"  rounds: {figures}"
             )
 
 

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from ifb.builder.artifact_cache import ArtifactCache
-from ifb.builder.compile_cpu import build_engine_kernels, compile_cpu_engine
+from ifb.builder.compile_cpu import build_engine_kernels, compile_cpu_engine, compile_layer_chunks
 from ifb.builder.compile_tensorrt import compile_tensorrt_engine, tensorrt_dtype
 from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.engine_writer import ensure_free_space
+from ifb.builder.layer_chunk_plan import plan_for
 from ifb.builder.limits import normalize_dtype
 from ifb.runtime.engine_format import BackendKind, EngineLimits
 from ifb.runtime.step.network import StepNetwork
+
+logger = logging.getLogger(__name__)
 
 STEP_PACKAGE = "step.pt2"
 # Room for a .pt2's compiled code beyond its constants (the tiny test engine's is ~2 MB).
@@ -59,6 +63,20 @@ class CpuCompiler:
         # Block engines bind their weights from the weights file at load, so they are stored once;
         # dense ones keep freezing's prepacked (MKL/oneDNN) constants inside the package.
         external = bool(network.weight_formats)
+        plan = plan_for(network) if external else None
+        if plan is not None:
+            logger.info(
+                "the step compiles as %d chunks of layers %s (%d distinct) and the head",
+                len(plan.chunks),
+                [count for _, count in plan.chunks],
+                plan.num_packages,
+            )
+            ensure_free_space(folder, STEP_CODE_BYTES * (plan.num_packages + 1), "layer chunk packages")
+            chunks, head, num_reused = compile_layer_chunks(network, plan, limits, kv_cache, folder, cache, kernels)
+            reused += ["step"] * bool(num_reused)
+            return CompiledStep(
+                head, kernels=kernels, constants_external=True, reused=tuple(reused), layer_chunks=chunks
+            )
         ensure_free_space(folder, _step_package_bytes(network, external), STEP_PACKAGE)
         package = folder / STEP_PACKAGE
         if compile_cpu_engine(network, limits, kv_cache, package, not external, cache, kernels):

@@ -303,6 +303,7 @@ def _build_engine(
             weight_formats=dict(recipe.weight_formats),
             weight_compute=recipe.weight_compute,
             step_constants_external=compiled.constants_external,
+            layer_chunks=compiled.layer_chunks,
         )
         write_engine_json(folder, config)
         # Last, on the finished folder: it times the engine exactly as `ifb run` will load it.

@@ -17,7 +17,8 @@ import torch
 
 from ifb.builder.artifact_cache import ArtifactCache, ArtifactKey
 from ifb.builder.concurrent_objects import concurrent_object_builds
-from ifb.builder.step_export import dynamic_shapes, sample_args
+from ifb.builder.layer_chunk_plan import ChunkPlan
+from ifb.builder.step_export import dynamic_shapes, sample_args, sample_step_inputs
 from ifb.plugins import quant_ops
 from ifb.plugins.quant_build import (
     QuantIsa,
@@ -28,8 +29,10 @@ from ifb.plugins.quant_build import (
     library_fingerprint,
     library_name,
 )
-from ifb.runtime.engine_format import EngineLimits, KernelLibraryInfo
+from ifb.runtime.engine_format import EngineLimits, KernelLibraryInfo, LayerChunk
+from ifb.runtime.step.engine import kv_pool_views
 from ifb.runtime.step.kernels import ensure_quant_library
+from ifb.runtime.step.layer_chunks import HeadNetwork, LayerChunkNetwork
 from ifb.runtime.step.network import StepNetwork
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,8 @@ INDUCTOR_CONFIGS: dict[str, object] = {
     "aot_inductor.enable_line_tables": False,
 }
 KERNELS_DIR = "kernels"
+LAYERS_PACKAGE_PREFIX = "layers-"  # a layer-chunked step's packages: layers-0.pt2, ..., head.pt2
+HEAD_PACKAGE = "head.pt2"
 
 
 def kernel_library_key(isa: QuantIsa) -> ArtifactKey:
@@ -111,9 +116,52 @@ def compile_cpu_engine(
     serialize a second copy of them (for a 1B model that copy alone is the size of the file).
     Such a package depends on the exported graph only, so `cache` may hold it already (from a
     build of another file of the same shapes): returns whether it was reused."""
-    network.eval()
-    sample = sample_args(limits, kv_cache)
-    configs = {
+    shapes = dynamic_shapes(limits, 2 * kv_cache.shape[0])
+    configs = compile_configs(network, constants_in_package)
+    return compile_package(network, sample_args(limits, kv_cache), shapes, package_path, configs, cache, kernels)
+
+
+def compile_layer_chunks(
+    network: StepNetwork,
+    plan: ChunkPlan,
+    limits: EngineLimits,
+    kv_cache: torch.Tensor,
+    folder: Path,
+    cache: ArtifactCache | None,
+    kernels: KernelLibraryInfo | None,
+) -> tuple[tuple[LayerChunk, ...], str, int]:
+    """A weightless package per distinct chunk of `plan` and one for the head, in `folder`
+    (runtime/step/layer_chunks.py). Returns the chunks, the head's package and how many of the
+    packages `cache` held."""
+    configs = compile_configs(network, constants_in_package=False)
+    step = sample_step_inputs(limits)
+    shapes = dynamic_shapes(limits, 0)
+    with torch.no_grad():
+        hidden = network.embed_tokens(step.input_ids)  # the chunks' sample input, of the step's dtype
+    per_step = step.as_args()[1:-1]
+    reused, names = 0, {}
+    for (first, count), package in zip(plan.chunks, plan.packages, strict=True):
+        if package in names:
+            continue
+        names[package] = f"{LAYERS_PACKAGE_PREFIX}{package}.pt2"
+        chunk = LayerChunkNetwork(network, first, count)
+        sample = (hidden, *per_step, kv_pool_views(kv_cache)[: 2 * count])
+        chunk_shapes = (shapes[0], *shapes[1:-2], [None] * (2 * count))
+        reused += compile_package(chunk, sample, chunk_shapes, folder / names[package], configs, cache, kernels)
+    head_shapes = (shapes[0], shapes[-2])
+    head_sample = (hidden, step.logits_indices)
+    reused += compile_package(
+        HeadNetwork(network), head_sample, head_shapes, folder / HEAD_PACKAGE, configs, cache, kernels
+    )
+    chunks = tuple(
+        LayerChunk(names[package], first, count)
+        for (first, count), package in zip(plan.chunks, plan.packages, strict=True)
+    )
+    return chunks, HEAD_PACKAGE, reused
+
+
+def compile_configs(network: StepNetwork, constants_in_package: bool) -> dict[str, object]:
+    return {
         **INDUCTOR_CONFIGS,
         **(quant_ops.aoti_configs() if network.weight_formats else {}),
         "aot_inductor.package_constants_in_so": constants_in_package,
@@ -122,13 +170,28 @@ def compile_cpu_engine(
         "freezing": constants_in_package,
         "emulate_precision_casts": computes_in_low_precision(network),
     }
+
+
+def compile_package(
+    module: torch.nn.Module,
+    sample: tuple[object, ...],
+    shapes: tuple[object, ...],
+    package_path: Path,
+    configs: dict[str, object],
+    cache: ArtifactCache | None,
+    kernels: KernelLibraryInfo | None,
+) -> bool:
+    """Export `module` on `sample` with `shapes` and AOT-compile it into `package_path`, or copy
+    what `cache` holds for the same exported graph (weightless packages only: one holding weights
+    depends on their values). Returns whether it was reused."""
+    module.eval()
     with torch.no_grad():
-        exported = torch.export.export(network, sample, dynamic_shapes=dynamic_shapes(limits, 2 * kv_cache.shape[0]))
-        logger.info("exported step graph with %d nodes", len(exported.graph.nodes))
-        # a package holding the weights depends on their values: only weightless ones are kept
-        key = None if constants_in_package or cache is None else step_key(exported, configs, kernels)
+        exported = torch.export.export(module, sample, dynamic_shapes=shapes)
+        logger.info("exported %s with %d nodes", package_path.name, len(exported.graph.nodes))
+        weightless = not configs["aot_inductor.package_constants_in_so"]
+        key = step_key(exported, configs, kernels) if weightless and cache is not None else None
         if key is not None and cache is not None and cache.fetch(key, package_path):
-            logger.info("reused the compiled step for this graph from %s", cache.root)
+            logger.info("reused the compiled %s for this graph from %s", package_path.name, cache.root)
             return True
         with concurrent_object_builds():
             torch._inductor.aoti_compile_and_package(exported, package_path=str(package_path), inductor_configs=configs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ifb.runtime.engine_format import KernelLibraryInfo, TensorRTPlanInfo
+from ifb.runtime.engine_format import KernelLibraryInfo, LayerChunk, TensorRTPlanInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,3 +14,4 @@ class CompiledStep:
     kernels: KernelLibraryInfo | None = None
     constants_external: bool = False  # the package holds no weights (EngineConfig.step_constants_external)
     reused: tuple[str, ...] = ()  # the artifacts copied from the compile cache ("kernels", "step")
+    layer_chunks: tuple[LayerChunk, ...] = ()  # EngineConfig.layer_chunks (step_package: the head's)

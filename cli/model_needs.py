@@ -13,9 +13,11 @@ from ifb.runtime.server.model_memory import OVERHEAD_BYTES, MemoryNeed, gb_text
 
 
 def engine_need(config: EngineConfig) -> MemoryNeed:
-    """An engine's need: its weights file and step package (a dense engine's step package holds
-    its prepacked weights) as stored, its KV pool as engine.json states it, plus OVERHEAD_BYTES."""
-    weights = config.weights_path.stat().st_size + config.step_package_path.stat().st_size
+    """An engine's need: its weights file and step packages (a dense engine's step package holds
+    its prepacked weights; a layer-chunked one's are loaded once per chunk) as stored, its KV pool
+    as engine.json states it, plus OVERHEAD_BYTES."""
+    packages = (config.step_package_path, *config.layer_chunk_paths)
+    weights = config.weights_path.stat().st_size + sum(path.stat().st_size for path in packages)
     kv = config.kv_pool_bytes
     detail = f"weights {gb_text(weights)} + KV pool {gb_text(kv)} + overhead {gb_text(OVERHEAD_BYTES)} (engine.json)"
     return MemoryNeed(weights + kv + OVERHEAD_BYTES, detail)

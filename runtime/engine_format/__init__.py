@@ -16,6 +16,7 @@ from ifb.runtime.engine_format.config import (
     EngineConfig,
     EngineSource,
     KernelLibraryInfo,
+    LayerChunk,
     TensorRTPlanInfo,
 )
 from ifb.runtime.engine_format.limits import (
@@ -58,6 +59,7 @@ __all__ = [
     "EngineLimits",
     "EngineSource",
     "KernelLibraryInfo",
+    "LayerChunk",
     "Activation",
     "ModelSpec",
     "RouterScoring",

@@ -72,6 +72,16 @@ class KernelLibraryInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerChunk:
+    """One run of decoder layers [first_layer, first_layer + num_layers) of a layer-chunked step,
+    run by `package` (runtime/step/layer_chunks.py); one package serves every run of alike layers."""
+
+    package: str
+    first_layer: int
+    num_layers: int
+
+
+@dataclass(frozen=True, slots=True)
 class BuildOptionsRecord:
     """The `ifb build` options as resolved, so a rebuild hint can reproduce every one of them."""
 
@@ -115,6 +125,9 @@ class EngineConfig:
     # so an engine stores them once (block engines; dense ones keep freezing's prepacked constants).
     step_constants_external: bool = False
     cost_model: StepCostModel | None = None  # measured at the end of the build on the building machine
+    # Empty: `step_package` is the whole step. Otherwise the step embeds eagerly, runs these in layer
+    # order, and `step_package` is the head's (runtime/step/chunked_step.py).
+    layer_chunks: tuple[LayerChunk, ...] = ()
     artifacts: dict[str, str] = field(default_factory=dict)
     folder: Path = Path(".")  # where it was loaded from; not part of the record
 
@@ -125,6 +138,11 @@ class EngineConfig:
     @property
     def step_package_path(self) -> Path:
         return self.path(self.step_package, "step_package")
+
+    @property
+    def layer_chunk_paths(self) -> tuple[Path, ...]:
+        """Each layer chunk's package (one path per chunk, so a package serving several repeats)."""
+        return tuple(self.path(chunk.package, "layer_chunks.package") for chunk in self.layer_chunks)
 
     @property
     def weights_path(self) -> Path:
@@ -192,6 +210,7 @@ class EngineConfig:
             "weight_compute": self.weight_compute.value,
             "step_constants_external": self.step_constants_external,
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
+            "layer_chunks": [_asdict(chunk) for chunk in self.layer_chunks],
             "artifacts": self.artifacts,
         }
         return {**record, RECORD_SHA256: record_sha256(record)}
@@ -216,9 +235,10 @@ class EngineConfig:
             tensorrt = record.get("tensorrt")
             cost_model = record.get("cost_model")
             dtype = required("dtype")
+            spec = ModelSpec.from_json(required("model"))
             return cls(
                 model_name=required("model_name"),
-                spec=ModelSpec.from_json(required("model")),
+                spec=spec,
                 limits=EngineLimits(**required("limits")),
                 dtype=dtype,
                 kv_dtype=_one_of("kv_dtype", record.get("kv_dtype") or dtype, KV_DTYPES),
@@ -241,6 +261,7 @@ class EngineConfig:
                 ),
                 step_constants_external=bool(record.get("step_constants_external")),
                 cost_model=None if cost_model is None else StepCostModel.from_json(cost_model),
+                layer_chunks=_layer_chunks(record.get("layer_chunks") or [], spec.num_layers),
                 artifacts=required("artifacts"),
                 folder=folder,
             )
@@ -261,6 +282,7 @@ class EngineConfig:
         config = cls.from_json(record, folder)
         # Every path is confined to the folder before anything is read through it.
         _ = (config.step_package_path, config.weights_path, config.tokenizer_path, config.kernels_path)
+        _ = config.layer_chunk_paths
         if verify:
             verify_record(record, path)
             verify_artifacts(folder, config.artifacts)
@@ -287,6 +309,17 @@ def _asdict(value: Any) -> dict[str, Any]:
 
 def _kernel_info(data: dict[str, Any]) -> KernelLibraryInfo:
     return KernelLibraryInfo(**{**data, "cpu_features": tuple(data["cpu_features"])})
+
+
+def _layer_chunks(data: list[dict[str, Any]], num_layers: int) -> tuple[LayerChunk, ...]:
+    """The chunks as stored: they must run every layer once, in order, or none (an unrolled step)."""
+    chunks = tuple(LayerChunk(**item) for item in data)
+    starts = [chunk.first_layer for chunk in chunks]
+    expected = [sum(chunk.num_layers for chunk in chunks[:index]) for index in range(len(chunks))]
+    covered = sum(chunk.num_layers for chunk in chunks)
+    if chunks and (starts != expected or covered != num_layers or min(c.num_layers for c in chunks) < 1):
+        raise ValueError(f"layer_chunks {data} do not run the model's {num_layers} layers once each, in order")
+    return chunks
 
 
 def _weight_formats(data: dict[str, Any]) -> dict[str, WeightFormat]:

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import weakref
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -137,9 +138,15 @@ class AotiStep:
 
     device = torch.device("cpu")
 
-    def __init__(self, package: Path, constants: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        package: Path,
+        constants: dict[str, torch.Tensor] | None = None,
+        constant_name: Callable[[str], str] = str,
+    ) -> None:
         """`constants`: the network's tensors by name, for a package compiled without its weights
-        (the engine's weights file, mapped, is then the only copy of them)."""
+        (the engine's weights file, mapped, is then the only copy of them); `constant_name` maps
+        the name the package was compiled with to the network's (a layer chunk's, layer_chunks.py)."""
         scratch = Path(tempfile.mkdtemp(prefix="ifb-step-"))
         try:
             library = _extract_model_library(package, scratch)
@@ -148,15 +155,16 @@ class AotiStep:
             shutil.rmtree(scratch, ignore_errors=True)  # dlopen keeps its mapping; no file is left
         self._finalizer = weakref.finalize(self, self._container.close)
         if constants is not None:
-            self._constants = self._bind(constants)
+            self._constants = self._bind(constants, constant_name)
             self._container.use_constants(self._constants)
 
-    def _bind(self, constants: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _bind(self, constants: dict[str, torch.Tensor], constant_name: Callable[[str], str]) -> dict[str, torch.Tensor]:
         """The library's constant names -> the given tensors, each of the dtype it was compiled
         for: the library reads a constant's bytes as that dtype, so a mismatch is refused here
         (a bf16 copy of fp32 rotary tables once gave a bf16 MoE engine wrong keys, silently)."""
         bound: dict[str, torch.Tensor] = {}
-        for index, (name, fqn) in enumerate(self._container.constant_names().items()):
+        for index, (name, compiled_fqn) in enumerate(self._container.constant_names().items()):
+            fqn = constant_name(compiled_fqn)
             tensor = constants.get(fqn)
             if tensor is None:
                 raise EngineFormatError(f"the compiled step needs constant {name!r} ({fqn!r}), not in the weights file")
@@ -169,8 +177,11 @@ class AotiStep:
         return bound
 
     def __call__(self, inputs: StepInputs, kv_pools: list[torch.Tensor]) -> torch.Tensor:
-        flat = [*inputs.as_args(), *kv_pools]
-        if len(flat) != self._container.num_inputs:
-            raise ValueError(f"compiled step takes {self._container.num_inputs} tensors, got {len(flat)}")
-        (logits,) = self._container.run(flat)
+        (logits,) = self.run([*inputs.as_args(), *kv_pools])
         return logits
+
+    def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The package's graph on its flat inputs, in their exported order."""
+        if len(tensors) != self._container.num_inputs:
+            raise ValueError(f"compiled step takes {self._container.num_inputs} tensors, got {len(tensors)}")
+        return self._container.run(tensors)

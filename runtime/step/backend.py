@@ -70,9 +70,15 @@ class NetworkStep:
 
 def _cpu_step(config: EngineConfig) -> StepBackend:
     from ifb.runtime.step.aoti_step import AotiStep
+    from ifb.runtime.step.chunked_step import ChunkedAotiStep
 
     constants = step_constants(config) if config.step_constants_external else None
     try:
+        if config.layer_chunks:
+            if constants is None:
+                raise EngineFormatError(f"{config.folder}: layer_chunks need a step without its weights")
+            embed_tokens = load_network(config, reference_ops=False).embed_tokens  # its tensors are mapped
+            return ChunkedAotiStep(config, constants, embed_tokens)
         return AotiStep(config.step_package_path, constants)
     except OSError as error:
         raise step_load_error(config, error) from error

@@ -311,8 +311,8 @@ class StepNetwork(nn.Module):
         self.rope_sin: torch.Tensor
         self.rope_local_cos: torch.Tensor  # only where spec.local_rope_theta is set
         self.rope_local_sin: torch.Tensor
-        local_tables = ("rope_local_cos", "rope_local_sin") if spec.local_rope_theta is not None else ()
-        for name in ("rope_cos", "rope_sin", *local_tables):
+        local_tables = LOCAL_ROPE_TABLES if spec.local_rope_theta is not None else ()
+        for name in (*ROPE_TABLES, *local_tables):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.set_rope(inv_freq, rope_scaling, max_seq_len)
 
@@ -377,20 +377,79 @@ class StepNetwork(nn.Module):
         layout = AttentionLayout(
             context_query_rows, context_block_tables, decode_query_rows, decode_block_tables, decode_seq_lens, positions
         )
+        x = self.embed_tokens(input_ids)
+        x = run_layers(
+            self.layers, x, rotary_rows(self, self.spec, positions, x.dtype), positions, slot_mapping, layout, kv_pools
+        )
+        return self.logits(x, logits_indices)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states a step starts from (a layer-chunked engine runs this eagerly)."""
         x = self.embed(input_ids)
         if self.spec.embed_scale is not None:  # Gemma: the scale rounded to the model dtype, as transformers
             x = x * torch.full((), self.spec.embed_scale, dtype=x.dtype, device=x.device)
-        cos = cast(self.rope_cos[positions], x.dtype)[:, None, :]
-        sin = rotation_sines(cast(self.rope_sin[positions], x.dtype)[:, None, :])
-        if self.spec.local_rope_theta is not None:
-            local_cos = cast(self.rope_local_cos[positions], x.dtype)[:, None, :]
-            local_sin = rotation_sines(cast(self.rope_local_sin[positions], x.dtype)[:, None, :])
-        for index, layer in enumerate(self.layers):
-            k_pool, v_pool = kv_pools[2 * index], kv_pools[2 * index + 1]
-            layer_cos, layer_sin = (local_cos, local_sin) if layer.local_rope else (cos, sin)
-            x = layer(x, layer_cos, layer_sin, positions, slot_mapping, layout, k_pool, v_pool)
-        logits = self.lm_head(self.norm(x[logits_indices]))
-        if self.spec.final_logit_softcap is not None:  # Gemma 2, in the model dtype as transformers
-            cap = self.spec.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return cast(logits, torch.float32)
+        return x
+
+    def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The last hidden states of the sampling rows -> their float32 logits."""
+        return head_logits(self.spec, self.norm, self.lm_head, x, logits_indices)
+
+
+ROPE_TABLES = ("rope_cos", "rope_sin")
+LOCAL_ROPE_TABLES = ("rope_local_cos", "rope_local_sin")  # only where spec.local_rope_theta is set
+
+
+@dataclass(frozen=True, slots=True)
+class RotaryRows:
+    """The rotary rows of one step's positions (cos, `rotation_sines`), made once and read by every
+    layer; `local`: Gemma 3's sliding layers' own, where the model has them."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    local: tuple[torch.Tensor, torch.Tensor] | None
+
+    def of(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer.local_rope and self.local is not None:
+            return self.local
+        return self.cos, self.sin
+
+
+def rotary_rows(tables: nn.Module, spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype) -> RotaryRows:
+    """`tables`' rotary buffers (ROPE_TABLES, and LOCAL_ROPE_TABLES where `spec` has them) at `positions`,
+    rounded to the activations' dtype, [T, 1, R] (the 1 broadcasts over heads)."""
+
+    def rows(cos_name: str, sin_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_table, sin_table = tables.get_buffer(cos_name), tables.get_buffer(sin_name)
+        cos = cast(cos_table[positions], dtype)[:, None, :]
+        return cos, rotation_sines(cast(sin_table[positions], dtype)[:, None, :])
+
+    cos, sin = rows(*ROPE_TABLES)
+    local = rows(*LOCAL_ROPE_TABLES) if spec.local_rope_theta is not None else None
+    return RotaryRows(cos, sin, local)
+
+
+def run_layers(
+    layers: nn.ModuleList,
+    x: torch.Tensor,
+    rows: RotaryRows,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: AttentionLayout,
+    kv_pools: list[torch.Tensor],
+) -> torch.Tensor:
+    """`layers` in order; kv_pools holds each one's K pool then V pool."""
+    for index, layer in enumerate(layers):
+        assert isinstance(layer, DecoderLayer)
+        cos, sin = rows.of(layer)
+        x = layer(x, cos, sin, positions, slot_mapping, layout, kv_pools[2 * index], kv_pools[2 * index + 1])
+    return x
+
+
+def head_logits(
+    spec: ModelSpec, norm: nn.Module, lm_head: nn.Module, x: torch.Tensor, logits_indices: torch.Tensor
+) -> torch.Tensor:
+    logits = lm_head(norm(x[logits_indices]))
+    if spec.final_logit_softcap is not None:  # Gemma 2, in the model dtype as transformers
+        cap = spec.final_logit_softcap
+        logits = torch.tanh(logits / cap) * cap
+    return cast(logits, torch.float32)

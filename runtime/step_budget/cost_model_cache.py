@@ -89,6 +89,8 @@ class CostModelKey:
             "kv_dtype": engine_record.get("kv_dtype"),
             "backend": engine_record["backend"],
             "step_constants_external": engine_record.get("step_constants_external"),
+            # each chunk is one more container run a step (runtime/step/chunked_step.py)
+            "layer_chunks": [[c["first_layer"], c["num_layers"]] for c in engine_record.get("layer_chunks") or []],
             "weight_formats": engine_record.get("weight_formats"),
             "weight_compute": engine_record.get("weight_compute"),
             "kernel_isa": kernels.get("isa"),

@@ -1,0 +1,81 @@
+"""The layer-chunk plan (builder/layer_chunk_plan.py): which runs of layers a block engine's step
+compiles once, from the layers' signatures, as llama.cpp's quantizer leaves them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ifb.builder.layer_chunk_plan import (
+    BYTES_PER_RUN,
+    MAX_RUNS,
+    MIN_RUNS,
+    ChunkPlan,
+    estimated_seconds,
+    plan_layer_chunks,
+    unrolled_seconds,
+)
+
+SMALL = 70 * 2**20  # SmolLM2's layers' bytes, about: the run cap is MIN_RUNS
+LAYER_BYTES_1B = 34 * 2**20  # a 1B Llama's Q4_K_M decoder layer, about
+
+
+def q4_k_m_layers(num_layers: int) -> list[str]:
+    """Which layers llama.cpp's Q4_K_M keeps attn_v and ffn_down in Q6_K (its use_more_bits):
+    "m" those, "n" the others."""
+    eighth = num_layers // 8
+    return ["m" if i < eighth or i >= 7 * num_layers // 8 or (i - eighth) % 3 == 2 else "n" for i in range(num_layers)]
+
+
+def assert_sound(plan: ChunkPlan, signatures: list[str], max_runs: int) -> None:
+    """Every layer once, in order; chunks sharing a package have the same layers."""
+    assert [first for first, _ in plan.chunks] == [sum(n for _, n in plan.chunks[:i]) for i in range(len(plan.chunks))]
+    assert sum(count for _, count in plan.chunks) == len(signatures)
+    assert len(plan.chunks) <= max_runs
+    layers_of: dict[int, list[str]] = {}
+    for (first, count), package in zip(plan.chunks, plan.packages, strict=True):
+        assert layers_of.setdefault(package, signatures[first : first + count]) == signatures[first : first + count]
+
+
+def test_alike_layers_compile_one_chunk_whatever_the_depth() -> None:
+    """#39's bar: a 16- and a 48-layer model of the same width compile within 20% of each other."""
+    plans = {depth: plan_layer_chunks(["a"] * depth, depth * LAYER_BYTES_1B) for depth in (16, 30, 48)}
+    for depth, plan in plans.items():
+        assert plan is not None
+        assert_sound(plan, ["a"] * depth, MAX_RUNS)
+        assert plan.num_packages == 1
+    estimates = [estimated_seconds(plan) for plan in plans.values() if plan is not None]
+    assert max(estimates) <= 1.2 * min(estimates)
+
+
+def test_smollm2s_alike_layers_run_as_three_chunks() -> None:
+    plan = plan_layer_chunks(["a"] * 30, SMALL)
+    assert plan is not None and plan.chunks == ((0, 10), (10, 10), (20, 10)) and plan.num_packages == 1
+
+
+def test_a_deep_q4_k_m_file_compiles_two_chunk_packages_of_its_period() -> None:
+    signatures = q4_k_m_layers(48)
+    plan = plan_layer_chunks(signatures, 48 * LAYER_BYTES_1B)
+    assert plan is not None
+    assert_sound(plan, signatures, MAX_RUNS)
+    assert plan.num_packages == 2  # six Q6_K layers at either end; (Q4_K, Q4_K, Q6_K) twice between
+    assert {count for _, count in plan.chunks} == {6}
+    assert estimated_seconds(plan) < 0.8 * unrolled_seconds(48)
+
+
+def test_the_runs_are_capped_by_the_layers_bytes() -> None:
+    signatures = ["a"] * 48
+    small, large = plan_layer_chunks(signatures, SMALL), plan_layer_chunks(signatures, 1 << 40)
+    assert small is not None and large is not None
+    assert len(small.chunks) <= MIN_RUNS < len(large.chunks) <= MAX_RUNS
+    assert estimated_seconds(large) < estimated_seconds(small)  # more runs buy shorter chunks
+    middle = plan_layer_chunks(signatures, 5 * BYTES_PER_RUN)
+    assert middle is not None and len(middle.chunks) <= 5
+
+
+@pytest.mark.parametrize(
+    "signatures", [["a", "a"], ["a"] * 12, list("abcdefghijklmnop"), q4_k_m_layers(16), q4_k_m_layers(30)]
+)
+def test_no_chunking_where_it_would_not_save_a_fifth(signatures: list[str]) -> None:
+    """Shallow models, layers all different, and Q4_K_M files up to 30 layers (two chunk packages
+    and the head cost about what their unrolled layers do): the unrolled step compiles as fast."""
+    assert plan_layer_chunks(signatures, len(signatures) * LAYER_BYTES_1B) is None
