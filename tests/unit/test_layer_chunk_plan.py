@@ -1,9 +1,14 @@
 """The layer-chunk plan (builder/layer_chunk_plan.py): which runs of layers a block engine's step
-compiles once, from the layers' signatures, as llama.cpp's quantizer leaves them."""
+compiles once, from the layers' signatures, as llama.cpp's quantizer leaves them; and the chunks
+as engine.json keeps them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
+from engine_records import SPEC, engine_config
 
 from ifb.builder.layer_chunk_plan import (
     BYTES_PER_RUN,
@@ -14,6 +19,8 @@ from ifb.builder.layer_chunk_plan import (
     plan_layer_chunks,
     unrolled_seconds,
 )
+from ifb.runtime.engine_format import EngineConfig, LayerChunk
+from ifb.runtime.errors import EngineFormatError
 
 SMALL = 70 * 2**20  # SmolLM2's layers' bytes, about: the run cap is MIN_RUNS
 LAYER_BYTES_1B = 34 * 2**20  # a 1B Llama's Q4_K_M decoder layer, about
@@ -79,3 +86,17 @@ def test_no_chunking_where_it_would_not_save_a_fifth(signatures: list[str]) -> N
     """Shallow models, layers all different, and Q4_K_M files up to 30 layers (two chunk packages
     and the head cost about what their unrolled layers do): the unrolled step compiles as fast."""
     assert plan_layer_chunks(signatures, len(signatures) * LAYER_BYTES_1B) is None
+
+
+def test_engine_json_keeps_the_chunks_and_refuses_ones_that_skip_or_repeat_layers(tmp_path: Path) -> None:
+    spec = replace(SPEC, num_layers=6)
+    chunks = (LayerChunk("layers-0.pt2", 0, 3), LayerChunk("layers-0.pt2", 3, 3))
+    config = engine_config(spec=spec, layer_chunks=chunks)
+    assert EngineConfig.from_json(config.to_json(), tmp_path).layer_chunks == chunks
+    for bad in ((chunks[0], chunks[0]), chunks[:1], (chunks[1], chunks[0]), (LayerChunk("a.pt2", 0, 0), *chunks)):
+        record = engine_config(spec=spec, layer_chunks=bad).to_json()
+        with pytest.raises(EngineFormatError, match="layer_chunks"):
+            EngineConfig.from_json(record, tmp_path)
+    escaping = engine_config(spec=spec, layer_chunks=(LayerChunk("../x.pt2", 0, 6),))
+    with pytest.raises(EngineFormatError, match="layer_chunks.package"):
+        _ = EngineConfig.from_json(escaping.to_json(), tmp_path).layer_chunk_paths
