@@ -10,6 +10,7 @@ Writes under bench/out/byo/ (kept between runs; a file that exists is not made a
                      FFN 8192, tied embeddings, rope theta 500000), random weights, F16
   1b-q4km.gguf       that, `llama-quantize ... Q4_K_M`
   1b-q4_0.gguf       that, `llama-quantize ... Q4_0`
+  1b48-q4_0.gguf     the 1B's width with 48 layers, Q4_0 (its F16 file is deleted once quantized)
   8b-q4km.gguf       Llama-3.1-8B-shaped (hidden 4096, 32 layers, 32 / 8 heads, FFN 14336, untied
                      output), random weights, via an F16 file that is deleted once quantized
                      (--keep-f16 keeps it: 16 GB)
@@ -94,6 +95,8 @@ class Shape:
 SHAPES = {
     "1b": Shape("Llama-3.2-1B-shaped (random)", 2048, 16, 32, 8, 64, 8192, tied=True),
     "8b": Shape("Llama-3.1-8B-shaped (random)", 4096, 32, 32, 8, 128, 14336, tied=False),
+    # the 1B's width at three times its depth: #39's compile time that does not grow with depth
+    "1b48": Shape("Llama-3.2-1B-width, 48 layers (random)", 2048, 48, 32, 8, 64, 8192, tied=True),
     "tiny": Shape("tiny llama (random)", 256, 2, 4, 2, 64, 768, tied=True),
 }
 
@@ -102,6 +105,7 @@ MODELS = {
     "smollm2-q4km": ("bundled", "Q4_K_M", True),
     "1b-q4km": ("1b", "Q4_K_M", False),
     "1b-q4_0": ("1b", "Q4_0", False),
+    "1b48-q4_0": ("1b48", "Q4_0", False),
     "8b-q4km": ("8b", "Q4_K_M", False),
     # mixtures of experts, random valid blocks written directly (bench/moe_synth.py): full depth for
     # the memory rows, 12 of 48 / 6 of 24 layers for the speed rows
@@ -270,8 +274,8 @@ def ensure_inputs(models: list[str], threads: int = 2, force: bool = False, keep
             info = quantize(src, dst, qtype, requant, threads)
             record[key] = {"source": str(src), "type": qtype, **info}
             record_path.write_text(json.dumps(record, indent=2))
-            if source == "8b" and not keep_f16:
-                src.unlink()  # 16 GB; remade (~minutes) only if the quantized file is deleted
+            if source in ("8b", "1b48") and not keep_f16:
+                src.unlink()  # 16 GB (8B), 5.8 GB (1b48); remade (~minutes) only if the quantized file is deleted
         out[key] = dst
         print(describe(dst), flush=True)
     return out
