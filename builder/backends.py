@@ -13,7 +13,7 @@ from ifb.builder.compile_cpu import build_engine_kernels, compile_cpu_engine, co
 from ifb.builder.compile_tensorrt import compile_tensorrt_engine, tensorrt_dtype
 from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.engine_writer import ensure_free_space
-from ifb.builder.layer_chunk_plan import plan_for
+from ifb.builder.layer_chunk_plan import LayerChunking, plan_for
 from ifb.builder.limits import normalize_dtype
 from ifb.runtime.engine_format import BackendKind, EngineLimits
 from ifb.runtime.step.network import StepNetwork
@@ -38,8 +38,10 @@ class BackendCompiler(Protocol):
         kv_cache: torch.Tensor,
         folder: Path,
         cache: ArtifactCache | None,
+        chunking: LayerChunking = LayerChunking.AUTO,
     ) -> CompiledStep:
-        """Write the step artifact into `folder`, copying what `cache` holds for the same code."""
+        """Write the step artifact into `folder`, copying what `cache` holds for the same code;
+        `chunking`: whether its layers may compile as chunks (builder/layer_chunk_plan.py)."""
         ...
 
 
@@ -54,6 +56,7 @@ class CpuCompiler:
         kv_cache: torch.Tensor,
         folder: Path,
         cache: ArtifactCache | None,
+        chunking: LayerChunking = LayerChunking.AUTO,
     ) -> CompiledStep:
         reused: list[str] = []
         kernels = None
@@ -63,7 +66,7 @@ class CpuCompiler:
         # Block engines bind their weights from the weights file at load, so they are stored once;
         # dense ones keep freezing's prepacked (MKL/oneDNN) constants inside the package.
         external = bool(network.weight_formats)
-        plan = plan_for(network) if external else None
+        plan = plan_for(network, chunking) if external else None
         if plan is not None:
             logger.info(
                 "the step compiles as %d chunks of layers %s (%d distinct) and the head",
@@ -97,6 +100,7 @@ class TensorRTCompiler:
         kv_cache: torch.Tensor,
         folder: Path,
         cache: ArtifactCache | None,
+        chunking: LayerChunking = LayerChunking.AUTO,
     ) -> CompiledStep:
         return compile_tensorrt_engine(network, limits, kv_cache, folder)  # a TensorRT plan holds its weights
 

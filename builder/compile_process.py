@@ -29,6 +29,7 @@ from ifb.builder.backends import compiler_for
 from ifb.builder.build_clock import peak_rss_bytes
 from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.errors import BuildError
+from ifb.builder.layer_chunk_plan import LayerChunking
 from ifb.builder.network_recipe import NetworkRecipe
 from ifb.runtime.engine_format import BackendKind, EngineLimits
 from ifb.runtime.parent_watch import exit_with_parent
@@ -47,6 +48,7 @@ class CompileJob:
     kv_dtype: str
     folder: Path
     reuse: bool
+    chunking: LayerChunking = LayerChunking.AUTO
 
 
 class CompileProcess:
@@ -105,10 +107,11 @@ def compile_in_child_process(
     folder: Path,
     reuse: bool = True,
     process: CompileProcess | None = None,
+    chunking: LayerChunking = LayerChunking.AUTO,
 ) -> tuple[CompiledStep, int]:
     """The compiled step, and the compile process's peak resident bytes, from `process` (started
     earlier) or a process of its own (CompileJob says what each argument is)."""
-    job = CompileJob(backend, recipe, weights_path, limits, kv_dtype, folder, reuse)
+    job = CompileJob(backend, recipe, weights_path, limits, kv_dtype, folder, reuse, chunking)
     if process is not None:
         return process.compile(job)
     with started_compile_process() as own:
@@ -133,7 +136,7 @@ def _compile(job: CompileJob) -> tuple[CompiledStep, int]:
     # export never writes them, so they take no resident memory (kv_pool.py).
     kv_cache = engine_kv_pool(job.recipe.spec, job.limits, job.kv_dtype)
     compiled = compiler_for(job.backend).compile(
-        network, job.limits, kv_cache, job.folder, ArtifactCache(reuse=job.reuse)
+        network, job.limits, kv_cache, job.folder, ArtifactCache(reuse=job.reuse), job.chunking
     )
     return compiled, peak_rss_bytes()
 

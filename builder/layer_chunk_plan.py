@@ -17,8 +17,10 @@ by the layers' bytes, which a decode step's time follows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import nn
@@ -31,11 +33,23 @@ LAYER_SECONDS = 0.8
 # Chunking must save at least this share of the unrolled compile estimate: each chunk costs a step
 # a container run, which a small saving does not pay for.
 MIN_SAVING = 0.2
-# Container runs a step may have: three for SmolLM2's ~70 MB of layers (above); a model whose
-# layers take longer to read may run more, up to MAX_RUNS.
-MIN_RUNS = 3
+# Container runs a step may have. A run cost a decode step ~0.1 ms more than its layers' share of
+# the unrolled step (the same weights file, steps interleaved: SmolLM2 in 3 chunks, decode b1 5.84
+# -> 6.22 ms; a 1B-width Q4_0 in 8 chunks, 25.8 -> 26.9 ms, b8 1.013x, prefill 512 1.004x), and a
+# decode step takes about its bytes' reading time (~27 GB/s here), so a run per 128 MiB of layers
+# keeps decode b1 within ~2.5%: SmolLM2 (~70 MB) is not chunked, a 1B's 16 layers (~550 MB) may
+# run 4 chunks, deeper models up to MAX_RUNS.
 MAX_RUNS = 8
-BYTES_PER_RUN = 24 * 2**20
+BYTES_PER_RUN = 128 * 2**20
+
+
+class LayerChunking(str, Enum):
+    """`ifb build --layer-chunks`: auto = where the plan saves compile time within the run cap;
+    on = wherever the layers repeat (up to MAX_RUNS chunks); off = always the unrolled step."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,17 +86,22 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
-def plan_layer_chunks(signatures: Sequence[Hashable], layer_bytes: int) -> ChunkPlan | None:
+def plan_layer_chunks(
+    signatures: Sequence[Hashable], layer_bytes: int, chunking: LayerChunking = LayerChunking.AUTO
+) -> ChunkPlan | None:
     """The cheapest chunking to compile that saves MIN_SAVING of the unrolled estimate within the
-    run cap, or None (compile the step unrolled)."""
+    run cap (with `on`: any, within MAX_RUNS), or None (compile the step unrolled)."""
     num_layers = len(signatures)
-    max_runs = min(MAX_RUNS, max(MIN_RUNS, layer_bytes // BYTES_PER_RUN))
-    unrolled = unrolled_seconds(num_layers)
+    if chunking is LayerChunking.OFF:
+        return None
+    forced = chunking is LayerChunking.ON
+    max_runs = MAX_RUNS if forced else min(MAX_RUNS, layer_bytes // BYTES_PER_RUN)
+    unrolled = math.inf if forced else unrolled_seconds(num_layers)
     best: tuple[float, int, ChunkPlan] | None = None
     for size in range(1, num_layers):
         for offset in range(size):
             chunks = _chunks(num_layers, size, offset)
-            if len(chunks) > max_runs:
+            if not 2 <= len(chunks) <= max_runs:
                 continue
             plan = _plan(chunks, signatures)
             seconds = estimated_seconds(plan)
@@ -118,8 +137,8 @@ def _plan(chunks: list[tuple[int, int]], signatures: Sequence[Hashable]) -> Chun
     return ChunkPlan(tuple(chunks), tuple(packages))
 
 
-def plan_for(network: StepNetwork) -> ChunkPlan | None:
+def plan_for(network: StepNetwork, chunking: LayerChunking) -> ChunkPlan | None:
     """The plan for `network` (None: unrolled)."""
     signatures = [layer_signature(network, index) for index in range(len(network.layers))]
     layer_bytes = sum(t.numel() * t.element_size() for layer in network.layers for _, t in _tensors(layer))
-    return plan_layer_chunks(signatures, layer_bytes)
+    return plan_layer_chunks(signatures, layer_bytes, chunking)

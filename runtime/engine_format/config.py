@@ -95,6 +95,7 @@ class BuildOptionsRecord:
     weights: str = "auto"
     kv_dtype: str = "auto"  # auto = the engine's dtype (also what engines built before the option hold)
     compute: str = "fp32"  # `--compute`: how block-quantized layers multiply
+    layer_chunks: str = "auto"  # `--layer-chunks` (auto: also what engines built before the option hold)
 
 
 @dataclass(frozen=True, slots=True)

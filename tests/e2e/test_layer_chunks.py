@@ -2,7 +2,8 @@
 container per chunk, and gives the unrolled step's logits bit for bit.
 
 The model is a tiny Gemma 3 of 24 layers, three sliding layers then a global one, six times (so
-three chunks of 8 layers repeat: builder/layer_chunk_plan.py): every part a chunk must carry is in it — local and global RoPE tables, the
+chunks of 4 or 8 layers repeat; `--layer-chunks on`, since at its size `auto` leaves a step
+unrolled: builder/layer_chunk_plan.py): every part a chunk must carry is in it — local and global RoPE tables, the
 windowed and the full attention, sandwich norms, a scaled embedding — and its tied Q8_0 embedding
 shares the head's tiles, so the eager embedding reads tiles the head's package also binds.
 """
@@ -42,7 +43,9 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_engine(
         checkpoint,
         output,
-        BuildOptions(dtype="fp32", weights="q8_0", compute="fp32", calibration="serve", **TINY_LIMITS),
+        BuildOptions(
+            dtype="fp32", weights="q8_0", compute="fp32", calibration="serve", layer_chunks="on", **TINY_LIMITS
+        ),
     )
     return output
 
