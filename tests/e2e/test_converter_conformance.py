@@ -254,6 +254,7 @@ def _uncompiled_step(
     folder: Path,
     reuse: bool = True,
     process: Any = None,
+    chunking: Any = None,
 ) -> Any:
     """The compile phase without the AOT compile: the kernel library a block engine's eager step
     needs, and no step package (the engine runs StepMode.EAGER). With it goes `nullcontext` for
