@@ -2,8 +2,9 @@
 
 The embedding runs eagerly, then one AOTInductor container per layer chunk in layer order (each
 bound to its own layers' weights and given its own layers' KV pools), then the head's container.
-A chunk's container runs in 14-19 us beyond its work (bench/layer_chunks_experiment.py
---run-cost, AVX2 EPYC), so a step pays a few of those for a compile that does not grow with depth.
+A container call alone takes 14-19 us (bench/layer_chunks_experiment.py --run-cost, AVX2 EPYC), but
+each chunk cost a decode step ~0.1 ms in all (bench/README, stop 56), which is why
+builder/layer_chunk_plan.py caps the chunks by the layers' bytes.
 """
 
 from __future__ import annotations
