@@ -11,6 +11,7 @@ Writes under bench/out/byo/ (kept between runs; a file that exists is not made a
   1b-q4km.gguf       that, `llama-quantize ... Q4_K_M`
   1b-q4_0.gguf       that, `llama-quantize ... Q4_0`
   1b48-q4_0.gguf     the 1B's width with 48 layers, Q4_0 (its F16 file is deleted once quantized)
+  1b48-q4km.gguf     the same, Q4_K_M (Q6_K in the layers llama.cpp keeps at more bits)
   8b-q4km.gguf       Llama-3.1-8B-shaped (hidden 4096, 32 layers, 32 / 8 heads, FFN 14336, untied
                      output), random weights, via an F16 file that is deleted once quantized
                      (--keep-f16 keeps it: 16 GB)
@@ -106,6 +107,7 @@ MODELS = {
     "1b-q4km": ("1b", "Q4_K_M", False),
     "1b-q4_0": ("1b", "Q4_0", False),
     "1b48-q4_0": ("1b48", "Q4_0", False),
+    "1b48-q4km": ("1b48", "Q4_K_M", False),
     "8b-q4km": ("8b", "Q4_K_M", False),
     # mixtures of experts, random valid blocks written directly (bench/moe_synth.py): full depth for
     # the memory rows, 12 of 48 / 6 of 24 layers for the speed rows

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from ifb.builder.artifact_cache import ArtifactCache
-from ifb.builder.compile_cpu import build_engine_kernels, compile_cpu_engine, compile_layer_chunks
+from ifb.builder.compile_cpu import HelperFactory, build_engine_kernels, compile_cpu_engine, compile_layer_chunks
 from ifb.builder.compile_tensorrt import compile_tensorrt_engine, tensorrt_dtype
 from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.engine_writer import ensure_free_space
@@ -39,9 +39,11 @@ class BackendCompiler(Protocol):
         folder: Path,
         cache: ArtifactCache | None,
         chunking: LayerChunking = LayerChunking.AUTO,
+        start_helper: HelperFactory | None = None,
     ) -> CompiledStep:
         """Write the step artifact into `folder`, copying what `cache` holds for the same code;
-        `chunking`: whether its layers may compile as chunks (builder/layer_chunk_plan.py)."""
+        `chunking`: whether its layers may compile as chunks (builder/layer_chunk_plan.py);
+        `start_helper`: a second process for some of the chunks' packages (builder/package_helper.py)."""
         ...
 
 
@@ -57,6 +59,7 @@ class CpuCompiler:
         folder: Path,
         cache: ArtifactCache | None,
         chunking: LayerChunking = LayerChunking.AUTO,
+        start_helper: HelperFactory | None = None,
     ) -> CompiledStep:
         reused: list[str] = []
         kernels = None
@@ -66,7 +69,7 @@ class CpuCompiler:
         # Block engines bind their weights from the weights file at load, so they are stored once;
         # dense ones keep freezing's prepacked (MKL/oneDNN) constants inside the package.
         external = bool(network.weight_formats)
-        plan = plan_for(network, chunking) if external else None
+        plan = plan_for(network, chunking, 1 if start_helper is None else 2) if external else None
         if plan is not None:
             logger.info(
                 "the step compiles as %d chunks of layers %s (%d distinct) and the head",
@@ -75,7 +78,9 @@ class CpuCompiler:
                 plan.num_packages,
             )
             ensure_free_space(folder, STEP_CODE_BYTES * (plan.num_packages + 1), "layer chunk packages")
-            chunks, head, num_reused = compile_layer_chunks(network, plan, limits, kv_cache, folder, cache, kernels)
+            chunks, head, num_reused = compile_layer_chunks(
+                network, plan, limits, kv_cache, folder, cache, kernels, start_helper
+            )
             reused += ["step"] * bool(num_reused)
             return CompiledStep(
                 head, kernels=kernels, constants_external=True, reused=tuple(reused), layer_chunks=chunks
@@ -101,6 +106,7 @@ class TensorRTCompiler:
         folder: Path,
         cache: ArtifactCache | None,
         chunking: LayerChunking = LayerChunking.AUTO,
+        start_helper: HelperFactory | None = None,
     ) -> CompiledStep:
         return compile_tensorrt_engine(network, limits, kv_cache, folder)  # a TensorRT plan holds its weights
 

@@ -11,13 +11,18 @@ import hashlib
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from ifb.builder.artifact_cache import ArtifactCache, ArtifactKey
 from ifb.builder.concurrent_objects import concurrent_object_builds
-from ifb.builder.layer_chunk_plan import ChunkPlan
+from ifb.builder.layer_chunk_plan import ChunkPlan, package_seconds, split_packages
 from ifb.builder.step_export import dynamic_shapes, sample_args, sample_step_inputs
 from ifb.plugins import quant_ops
 from ifb.plugins.quant_build import (
@@ -121,6 +126,28 @@ def compile_cpu_engine(
     return compile_package(network, sample_args(limits, kv_cache), shapes, package_path, configs, cache, kernels)
 
 
+@dataclass(frozen=True, slots=True)
+class PackageTask:
+    """One package of a layer-chunked step: layers [first, first + count) of the network, or the
+    head's (count 0), written to `file_name` in the engine folder."""
+
+    file_name: str
+    first: int = 0
+    count: int = 0
+
+
+class PackageHelper(Protocol):
+    """A process that compiles packages beside this one (builder/package_helper.py): `submit`
+    returns whether the cache held the package, and the helper's peak resident bytes."""
+
+    def submit(self, task: PackageTask) -> Future[tuple[bool, int]]: ...
+
+    def close(self) -> None: ...
+
+
+HelperFactory = Callable[[KernelLibraryInfo | None], PackageHelper]
+
+
 def compile_layer_chunks(
     network: StepNetwork,
     plan: ChunkPlan,
@@ -129,35 +156,67 @@ def compile_layer_chunks(
     folder: Path,
     cache: ArtifactCache | None,
     kernels: KernelLibraryInfo | None,
+    start_helper: HelperFactory | None = None,
 ) -> tuple[tuple[LayerChunk, ...], str, int]:
     """A weightless package per distinct chunk of `plan` and one for the head, in `folder`
-    (runtime/step/layer_chunks.py). Returns the chunks, the head's package and how many of the
-    packages `cache` held."""
-    configs = compile_configs(network, constants_in_package=False)
-    step = sample_step_inputs(limits)
-    shapes = dynamic_shapes(limits, 0)
-    with torch.no_grad():
-        hidden = network.embed_tokens(step.input_ids)  # the chunks' sample input, of the step's dtype
-    per_step = step.as_args()[1:-1]
-    reused, names = 0, {}
+    (runtime/step/layer_chunks.py), some of them in a helper process where `start_helper` is given
+    and layer_chunk_plan.split_packages says so. Returns the chunks, the head's package and how many
+    of the packages `cache` held."""
+    names: dict[int, str] = {}
+    tasks: list[PackageTask] = []
     for (first, count), package in zip(plan.chunks, plan.packages, strict=True):
-        if package in names:
-            continue
-        names[package] = f"{LAYERS_PACKAGE_PREFIX}{package}.pt2"
-        chunk = LayerChunkNetwork(network, first, count)
-        sample = (hidden, *per_step, kv_pool_views(kv_cache)[: 2 * count])
-        chunk_shapes = (shapes[0], *shapes[1:-2], [None] * (2 * count))
-        reused += compile_package(chunk, sample, chunk_shapes, folder / names[package], configs, cache, kernels)
-    head_shapes = (shapes[0], shapes[-2])
-    head_sample = (hidden, step.logits_indices)
-    reused += compile_package(
-        HeadNetwork(network), head_sample, head_shapes, folder / HEAD_PACKAGE, configs, cache, kernels
-    )
+        if package not in names:
+            names[package] = f"{LAYERS_PACKAGE_PREFIX}{package}.pt2"
+            tasks.append(PackageTask(names[package], first, count))
+    tasks.append(PackageTask(HEAD_PACKAGE))  # package_seconds' order: the distinct chunks, then the head
+    mine, theirs = split_packages(package_seconds(plan), 2 if start_helper is not None else 1)
+    helper = start_helper(kernels) if start_helper is not None and theirs else None
+    pending = [(tasks[index], helper.submit(tasks[index])) for index in theirs] if helper is not None else []
+    if helper is not None:
+        logger.info("compiling %s in a helper process", [tasks[index].file_name for index in theirs])
+    try:
+        reused = sum(compile_package_task(network, tasks[i], limits, kv_cache, folder, cache, kernels) for i in mine)
+        for task, future in pending:
+            try:
+                task_reused, _ = future.result()
+            except BrokenProcessPool:
+                logger.warning("the helper process ended before compiling %s: compiling it here", task.file_name)
+                task_reused = compile_package_task(network, task, limits, kv_cache, folder, cache, kernels)
+            reused += task_reused
+    finally:
+        if helper is not None:
+            helper.close()
     chunks = tuple(
         LayerChunk(names[package], first, count)
         for (first, count), package in zip(plan.chunks, plan.packages, strict=True)
     )
     return chunks, HEAD_PACKAGE, reused
+
+
+def compile_package_task(
+    network: StepNetwork,
+    task: PackageTask,
+    limits: EngineLimits,
+    kv_cache: torch.Tensor,
+    folder: Path,
+    cache: ArtifactCache | None,
+    kernels: KernelLibraryInfo | None,
+) -> bool:
+    """Compile `task`'s package of `network` into `folder` (or copy it from `cache`); returns
+    whether it was reused."""
+    configs = compile_configs(network, constants_in_package=False)
+    step = sample_step_inputs(limits)
+    shapes = dynamic_shapes(limits, 0)
+    with torch.no_grad():
+        hidden = network.embed_tokens(step.input_ids)  # the chunks' sample input, of the step's dtype
+    module: torch.nn.Module
+    if task.count == 0:
+        module, sample, task_shapes = HeadNetwork(network), (hidden, step.logits_indices), (shapes[0], shapes[-2])
+    else:
+        module = LayerChunkNetwork(network, task.first, task.count)
+        sample = (hidden, *step.as_args()[1:-1], kv_pool_views(kv_cache)[: 2 * task.count])
+        task_shapes = (shapes[0], *shapes[1:-2], [None] * (2 * task.count))
+    return compile_package(module, sample, task_shapes, folder / task.file_name, configs, cache, kernels)
 
 
 def compile_configs(network: StepNetwork, constants_in_package: bool) -> dict[str, object]:

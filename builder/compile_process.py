@@ -31,7 +31,8 @@ from ifb.builder.compiled_step import CompiledStep
 from ifb.builder.errors import BuildError
 from ifb.builder.layer_chunk_plan import LayerChunking
 from ifb.builder.network_recipe import NetworkRecipe
-from ifb.runtime.engine_format import BackendKind, EngineLimits
+from ifb.builder.package_helper import PackageHelperProcess, helper_workers
+from ifb.runtime.engine_format import BackendKind, EngineLimits, KernelLibraryInfo
 from ifb.runtime.parent_watch import exit_with_parent
 from ifb.runtime.step.kv_pool import engine_kv_pool
 
@@ -135,10 +136,23 @@ def _compile(job: CompileJob) -> tuple[CompiledStep, int]:
     # The export's sample pools carry the pool dtype into the compiled step's input signature;
     # export never writes them, so they take no resident memory (kv_pool.py).
     kv_cache = engine_kv_pool(job.recipe.spec, job.limits, job.kv_dtype)
+    helpers: list[PackageHelperProcess] = []
+
+    def start_helper(kernels: KernelLibraryInfo | None) -> PackageHelperProcess:
+        helpers.append(PackageHelperProcess(job, kernels))
+        return helpers[-1]
+
     compiled = compiler_for(job.backend).compile(
-        network, job.limits, kv_cache, job.folder, ArtifactCache(reuse=job.reuse), job.chunking
+        network,
+        job.limits,
+        kv_cache,
+        job.folder,
+        ArtifactCache(reuse=job.reuse),
+        job.chunking,
+        start_helper if helper_workers() > 1 else None,
     )
-    return compiled, peak_rss_bytes()
+    # the helper ran beside this process: both peaks may have been at once
+    return compiled, peak_rss_bytes() + sum(helper.peak_bytes for helper in helpers)
 
 
 def refuse_in_spawned_bootstrap() -> None:

@@ -13,6 +13,9 @@ unrolled step of 30 layers 41 s. Each chunk is one more container run a step, an
 more than its ctypes call (bench/step_ab.py, SmolLM2, steps interleaved: 6 chunks made decode b8
 1.054x the unrolled step's, 3 chunks 1.035x, decode b1 1.041x and 1.015x), so the runs are capped
 by the layers' bytes, which a decode step's time follows.
+
+Where a machine has a second core, a second process compiles some of the packages beside the
+first (builder/package_helper.py): the estimate of a plan is then its makespan over the two.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from ifb.runtime.step.network import DecoderLayer, StepNetwork
 PACKAGE_SECONDS = 12.0
 HEAD_SECONDS = 6.0
 LAYER_SECONDS = 0.8
+# A layer of an unrolled step costs more than one of a chunk: 30 of SmolLM2's took 42.1 s, 16 and 48
+# of a 1B's width 31.8 and 71.5 s (bench/compile_ab.py, stop 56): 1.0 and 1.24 s a layer past the
+# fixed 12 s.
+UNROLLED_LAYER_SECONDS = 1.1
 # Chunking must save at least this share of the unrolled compile estimate: each chunk costs a step
 # a container run, which a small saving does not pay for.
 MIN_SAVING = 0.2
@@ -41,6 +48,12 @@ MIN_SAVING = 0.2
 # run 4 chunks, deeper models up to MAX_RUNS.
 MAX_RUNS = 8
 BYTES_PER_RUN = 128 * 2**20
+# A helper process's spawn, imports (torch's compiler stack) and mapping of the network before its
+# first package: 3.9-4.0 s of imports on the quiet 2-core EPYC (compile_process.py), ~1 s to map.
+HELPER_START_SECONDS = 5.0
+# Two package compiles at once on 2 cores: each took 1.34x and 1.46x its time alone (SmolLM2's
+# chunk packages, 26.6 s alone; 35.6 and 38.9 s together: 1.4x the throughput, stop 56).
+TOGETHER_SLOWDOWN = 1.46
 
 
 class LayerChunking(str, Enum):
@@ -87,10 +100,14 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def plan_layer_chunks(
-    signatures: Sequence[Hashable], layer_bytes: int, chunking: LayerChunking = LayerChunking.AUTO
+    signatures: Sequence[Hashable],
+    layer_bytes: int,
+    chunking: LayerChunking = LayerChunking.AUTO,
+    workers: int = 1,
 ) -> ChunkPlan | None:
     """The cheapest chunking to compile that saves MIN_SAVING of the unrolled estimate within the
-    run cap (with `on`: any, within MAX_RUNS), or None (compile the step unrolled)."""
+    run cap (with `on`: any, within MAX_RUNS), or None (compile the step unrolled). `workers`: the
+    processes that may compile packages at once (1 or 2)."""
     num_layers = len(signatures)
     if chunking is LayerChunking.OFF:
         return None
@@ -104,7 +121,7 @@ def plan_layer_chunks(
             if not 2 <= len(chunks) <= max_runs:
                 continue
             plan = _plan(chunks, signatures)
-            seconds = estimated_seconds(plan)
+            seconds = estimated_seconds(plan, workers)
             candidate = (seconds, len(chunks), plan)
             if best is None or candidate[:2] < best[:2]:
                 best = candidate
@@ -113,15 +130,52 @@ def plan_layer_chunks(
     return best[2]
 
 
-def estimated_seconds(plan: ChunkPlan) -> float:
-    """The compile phase's estimate for `plan`: each distinct package and the head's."""
+def estimated_seconds(plan: ChunkPlan, workers: int = 1) -> float:
+    """The compile phase's estimate for `plan`: each distinct package and the head's, in this
+    process alone or, with `workers` 2, split with a helper (`split_packages`) where that is faster."""
+    seconds = package_seconds(plan)
+    local, helper = split_packages(seconds, workers)
+    return _makespan([seconds[i] for i in local], [seconds[i] for i in helper])
+
+
+def package_seconds(plan: ChunkPlan) -> list[float]:
+    """Each package's compile estimate: the distinct chunks' in package order, then the head's."""
     layers = {package: count for (_, count), package in zip(plan.chunks, plan.packages, strict=True)}
-    return PACKAGE_SECONDS * len(layers) + LAYER_SECONDS * sum(layers.values()) + HEAD_SECONDS
+    return [PACKAGE_SECONDS + LAYER_SECONDS * layers[package] for package in sorted(layers)] + [HEAD_SECONDS]
+
+
+def split_packages(seconds: Sequence[float], workers: int) -> tuple[list[int], list[int]]:
+    """Which packages (indices into `seconds`) this process compiles and which a helper process
+    compiles beside it: longest first, each to the process estimated to finish it first (the
+    helper starting HELPER_START_SECONDS late); no helper where that is not estimated faster."""
+    alone = list(range(len(seconds)))
+    if workers < 2 or len(seconds) < 2:
+        return alone, []
+    local: list[int] = []
+    helper: list[int] = []
+    for index in sorted(alone, key=lambda i: -seconds[i]):
+        local_end = sum(seconds[i] for i in local) + seconds[index]
+        helper_end = HELPER_START_SECONDS + sum(seconds[i] for i in helper) + seconds[index]
+        (local if local_end <= helper_end else helper).append(index)
+    split = (sorted(local), sorted(helper))
+    times = [seconds[i] for i in split[0]], [seconds[i] for i in split[1]]
+    if not split[1] or _makespan(*times) >= sum(seconds):
+        return alone, []
+    return split
+
+
+def _makespan(local: Sequence[float], helper: Sequence[float]) -> float:
+    """While both processes run (the helper's start included: its imports take a core) each goes
+    TOGETHER_SLOWDOWN slower; the longer one's rest alone."""
+    if not helper:
+        return sum(local)
+    mine, theirs = sum(local), HELPER_START_SECONDS + sum(helper)
+    return max(mine, theirs) + (TOGETHER_SLOWDOWN - 1) * min(mine, theirs)
 
 
 def unrolled_seconds(num_layers: int) -> float:
     """The compile phase's estimate for the unrolled step of `num_layers`."""
-    return PACKAGE_SECONDS + LAYER_SECONDS * num_layers
+    return PACKAGE_SECONDS + UNROLLED_LAYER_SECONDS * num_layers
 
 
 def _chunks(num_layers: int, size: int, offset: int) -> list[tuple[int, int]]:
@@ -137,8 +191,8 @@ def _plan(chunks: list[tuple[int, int]], signatures: Sequence[Hashable]) -> Chun
     return ChunkPlan(tuple(chunks), tuple(packages))
 
 
-def plan_for(network: StepNetwork, chunking: LayerChunking) -> ChunkPlan | None:
+def plan_for(network: StepNetwork, chunking: LayerChunking, workers: int) -> ChunkPlan | None:
     """The plan for `network` (None: unrolled)."""
     signatures = [layer_signature(network, index) for index in range(len(network.layers))]
     layer_bytes = sum(t.numel() * t.element_size() for layer in network.layers for _, t in _tensors(layer))
-    return plan_layer_chunks(signatures, layer_bytes, chunking)
+    return plan_layer_chunks(signatures, layer_bytes, chunking, workers)
