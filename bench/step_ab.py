@@ -5,7 +5,7 @@
 
 Engines built from the same file by two revisions of ifb (bench/compile_ab.py keeps none; build
 each with `ifb build -o DIR --calibration serve` at its revision) are timed on the same inputs:
-decode at batch 1 and 8 (CONTEXT tokens each, as bench/step.py), a mixed step (7 decode rows and a
+decode at batch 1, 8 and 32 (or the engine's max batch; CONTEXT tokens each, as bench/step.py), a mixed step (7 decode rows and a
 128-token chunk after 64 cached tokens) and a 512-token prefill. Each round takes the median of a
 few steps per shape and engine, the engines' steps interleaved one by one, so drift in the
 machine's load falls on all of them; the table gives each engine's median over rounds, every
@@ -43,9 +43,11 @@ def shapes(engine: Engine) -> dict[str, tuple[StepInputs, int]]:
     chunk = [(100 + i) % vocab for i in range(MIXED_CHUNK)]
     mixed.append(RequestSlice(chunk, MIXED_CACHED, list(range(first, first + chunk_blocks)), True))
     prefill = [RequestSlice([(100 + i) % vocab for i in range(PREFILL)], 0, list(range(PREFILL // bs)), True)]
+    widest = min(32, engine.config.limits.max_batch_size)  # #39 asks for 32; default engines seat 16
     return {
         "decode_b1": (decode_inputs(engine, 1), 30),
         "decode_b8": (decode_inputs(engine, 8), 30),
+        f"decode_b{widest}": (decode_inputs(engine, widest), 20),
         f"mixed_{MIXED_CHUNK}+{MIXED_DECODE_ROWS}": (build_step_inputs(mixed, bs), 15),
         f"prefill_{PREFILL}": (build_step_inputs(prefill, bs), 5),
     }

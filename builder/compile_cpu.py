@@ -142,7 +142,7 @@ class PackageHelper(Protocol):
 
     def submit(self, task: PackageTask) -> Future[tuple[bool, int]]: ...
 
-    def close(self) -> None: ...
+    def close(self, wait: bool) -> None: ...
 
 
 HelperFactory = Callable[[KernelLibraryInfo | None], PackageHelper]
@@ -183,9 +183,12 @@ def compile_layer_chunks(
                 logger.warning("the helper process ended before compiling %s: compiling it here", task.file_name)
                 task_reused = compile_package_task(network, task, limits, kv_cache, folder, cache, kernels)
             reused += task_reused
-    finally:
-        if helper is not None:
-            helper.close()
+    except BaseException:
+        if helper is not None:  # not waited for: it ends with this process (package_helper.py)
+            helper.close(wait=False)
+        raise
+    if helper is not None:
+        helper.close(wait=True)
     chunks = tuple(
         LayerChunk(names[package], first, count)
         for (first, count), package in zip(plan.chunks, plan.packages, strict=True)

@@ -37,15 +37,19 @@ LAYER_SECONDS = 0.8
 # of a 1B's width 31.8 and 71.5 s (bench/compile_ab.py, stop 56): 1.0 and 1.24 s a layer past the
 # fixed 12 s.
 UNROLLED_LAYER_SECONDS = 1.1
-# Chunking must save at least this share of the unrolled compile estimate: each chunk costs a step
-# a container run, which a small saving does not pay for.
-MIN_SAVING = 0.2
+# Chunking must save at least this share of the unrolled compile estimate. Chunked steps decode at
+# batch 1 some 2-6% slower than unrolled ones over the same weights file whatever their number of
+# chunks (bench/README, stop 57: a 1B-width Q4_0 of 16 layers in 4 chunks 1.021-1.047x, 8 chunks
+# 1.042x at stop 56; 48 layers of Q4_K_M in 8 chunks 1.042x; SmolLM2 in 3 chunks 1.060x; batch 8
+# and up within 2%, prefill within 1%), so only deep models, whose compile chunks cut by a third or
+# more, chunk under `auto`: 48 layers of a 1B's width (Q4_0 and Q4_K_M), not its 16, nor 32 of an 8B's.
+MIN_SAVING = 0.35
 # Container runs a step may have. A run cost a decode step ~0.1 ms more than its layers' share of
 # the unrolled step (the same weights file, steps interleaved: SmolLM2 in 3 chunks, decode b1 5.84
 # -> 6.22 ms; a 1B-width Q4_0 in 8 chunks, 25.8 -> 26.9 ms, b8 1.013x, prefill 512 1.004x), and a
 # decode step takes about its bytes' reading time (~27 GB/s here), so a run per 128 MiB of layers
-# keeps decode b1 within ~2.5%: SmolLM2 (~70 MB) is not chunked, a 1B's 16 layers (~550 MB) may
-# run 4 chunks, deeper models up to MAX_RUNS.
+# keeps that part of decode b1 within ~2.5%: SmolLM2 (~70 MB) is not chunked, deeper models up to
+# MAX_RUNS.
 MAX_RUNS = 8
 BYTES_PER_RUN = 128 * 2**20
 # A helper process's spawn, imports (torch's compiler stack) and mapping of the network before its

@@ -65,8 +65,8 @@ class PackageHelperProcess:
         if not future.cancelled() and future.exception() is None:
             self.peak_bytes = max(self.peak_bytes, future.result()[1])
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def helper_workers() -> int:

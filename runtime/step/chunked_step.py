@@ -2,9 +2,12 @@
 
 The embedding runs eagerly, then one AOTInductor container per layer chunk in layer order (each
 bound to its own layers' weights and given its own layers' KV pools), then the head's container.
-A container call alone takes 14-19 us (bench/layer_chunks_experiment.py --run-cost, AVX2 EPYC), but
-each chunk cost a decode step ~0.1 ms in all (bench/README, stop 56), which is why
-builder/layer_chunk_plan.py caps the chunks by the layers' bytes.
+A container call alone takes 14-19 us (bench/layer_chunks_experiment.py --run-cost, AVX2 EPYC), yet
+a chunked step decodes one row 2-6% slower than the unrolled one over the same weights, whatever
+the number of chunks (bench/README, stop 57): a 1B's four 4-layer chunks each took 6.02 ms but the
+first after the embedding 6.29 ms, and the embedding 0.16 ms on its first call, 0.03 ms on a second,
+so most of it is warm-up at the start of a step that the unrolled graph seems to pay less of. That
+is why builder/layer_chunk_plan.py chunks only deep models under `auto`.
 """
 
 from __future__ import annotations
